@@ -1,0 +1,5 @@
+import sys
+
+from tailserve.cli import main
+
+sys.exit(main())

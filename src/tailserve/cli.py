@@ -1,0 +1,102 @@
+"""The ``tailserve`` command line: ``tailserve generate [--model PATH] PROMPT...``.
+
+Flag names follow vLLM's where the concept is the same. User errors print one line on
+stderr and exit with status 2; nothing prints a traceback for a bad flag or a bad model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+from tailserve.config import DEFAULT_KV_CACHE_MEMORY_BYTES, parse_bytes
+from tailserve.errors import TailserveError
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="Hugging Face-format checkpoint folder (default: the built-in model)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    g.add_argument("--kv-cache-memory", default=str(DEFAULT_KV_CACHE_MEMORY_BYTES),
+                   help="KV-cache size in bytes; units allowed (e.g. 512MiB, 2GiB)")
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--seed", type=int, default=0)
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    return dict(
+        dtype=args.dtype, device=args.device, block_size=args.block_size,
+        kv_cache_memory_bytes=parse_bytes(args.kv_cache_memory), max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
+        seed=args.seed,
+    )
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from tailserve.engine.llm import LLM
+    from tailserve.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed,
+        max_tokens=args.max_tokens, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos,
+    )
+    llm = LLM(args.model, **_engine_kwargs(args))
+    t0 = time.perf_counter()
+    outputs = llm.generate(list(args.prompts), params)
+    elapsed = time.perf_counter() - t0
+    for i, out in enumerate(outputs):
+        if len(outputs) > 1:
+            print(f"--- [{i}] finish_reason={out.finish_reason}")
+        print((out.prompt or "") + out.text)
+    if args.stats:
+        n_out = sum(o.num_output_tokens for o in outputs)
+        n_in = sum(o.num_prompt_tokens for o in outputs)
+        print(f"--- {len(outputs)} requests, {n_in} prompt tokens, {n_out} output tokens in {elapsed:.3f} s "
+              f"({n_out / elapsed:.1f} output tok/s)", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tailserve", description="LLM inference engine and performance toolkit")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete prompts with a local model")
+    gen.add_argument("prompts", nargs="+", help="prompt text(s)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default here)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--stats", action="store_true", help="print token counts and throughput on stderr")
+    _add_engine_args(gen)
+    gen.set_defaults(func=_cmd_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except TailserveError as e:
+        print(f"tailserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Engine configuration: frozen dataclasses, validated once on construction.
+
+Names follow vLLM's where the concept is the same (block_size, max_num_seqs,
+max_num_batched_tokens, enable_prefix_caching, max_model_len).
+"""
+
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass
+
+from tailserve.errors import ConfigError
+
+DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # 1 GiB on the CPU
+_SIZE_SUFFIXES = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
+                  "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'2GiB', '512M', '1048576' -> bytes (binary units)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    s = str(text).strip().lower().replace(" ", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    suffix = s[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        raise ConfigError(f"cannot read {text!r} as a size in bytes (e.g. 2GiB, 512MiB, 1000000)") from None
+    if suffix not in _SIZE_SUFFIXES:
+        raise ConfigError(f"unknown size unit {suffix!r} in {text!r} (use KiB, MiB or GiB)")
+    return int(value * _SIZE_SUFFIXES[suffix])
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str | pathlib.Path) or not str(self.model):
+            raise ConfigError("model must be a path to a checkpoint folder")
+        object.__setattr__(self, "model", str(self.model))
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ConfigError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if isinstance(self.block_size, bool) or self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ConfigError(f"block_size must be a power of two from 1 to 128, got {self.block_size!r}")
+        object.__setattr__(self, "kv_cache_memory_bytes", parse_bytes(self.kv_cache_memory_bytes))
+        if self.kv_cache_memory_bytes <= 0:
+            raise ConfigError("kv_cache_memory_bytes must be positive")
+        if self.max_model_len is not None and (isinstance(self.max_model_len, bool)
+                                               or not isinstance(self.max_model_len, int)
+                                               or self.max_model_len < 2):
+            raise ConfigError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if not self.enable_chunked_prefill and self.max_model_len is not None \
+                and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+        self.scheduler_config  # validates the scheduler fields
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.enable_chunked_prefill)

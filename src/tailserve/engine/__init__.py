@@ -1,0 +1,1 @@
+"""Request state, scheduler, model runner, sampler and the engine step loop."""

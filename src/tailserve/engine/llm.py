@@ -1,0 +1,63 @@
+"""``LLM``: the offline API. Give it prompts, get finished outputs back in input order."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tailserve.config import EngineConfig
+from tailserve.engine.llm_engine import LLMEngine, Prompt
+from tailserve.errors import InvalidRequestError
+from tailserve.outputs import RequestOutput
+from tailserve.sampling_params import SamplingParams
+
+
+class LLM:
+    """``LLM(model=PATH)``; ``model=None`` or ``"builtin"`` uses the built-in default model.
+
+    Keyword arguments are EngineConfig fields (dtype, device, block_size,
+    kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, ...).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: object) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model or "builtin", **kwargs))  # type: ignore[arg-type]
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - Tokenizer | None
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise InvalidRequestError(
+                    f"got {len(params_list)} sampling params for {len(prompt_list)} prompts", "sampling_params")
+        ids = []
+        try:
+            for prompt, params in zip(prompt_list, params_list):
+                ids.append(self.engine.add_request(prompt, params))
+        except Exception:
+            for rid in ids:  # all or nothing: do not leave half a batch queued
+                self.engine.abort_request(rid)
+            raise
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in prompts):
+        return [list(prompts)]  # one prompt given as token ids
+    if isinstance(prompts, Sequence):
+        return [p if isinstance(p, str) else list(p) for p in prompts]  # type: ignore[arg-type]
+    raise InvalidRequestError(f"prompts must be a string, token ids, or a list of those; got {type(prompts).__name__}",
+                              "prompt")

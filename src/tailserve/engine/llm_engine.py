@@ -1,0 +1,191 @@
+"""The engine: owns the model, KV cache, scheduler and runner, and runs one step at a time.
+
+``add_request`` validates and queues; ``step`` schedules, runs one forward pass, samples,
+updates request state and returns the outputs of the requests that progressed;
+``abort_request`` ends a request and frees its blocks. The server's async engine and the
+offline ``LLM`` both drive this loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import pathlib
+from dataclasses import dataclass
+
+import torch
+
+from tailserve.assets import resolve_model_path
+from tailserve.config import EngineConfig
+from tailserve.engine.detokenizer import IncrementalDetokenizer
+from tailserve.engine.model_runner import ModelRunner
+from tailserve.engine.request import Request, RequestStatus
+from tailserve.engine.scheduler import RequestUpdate, Scheduler
+from tailserve.errors import ConfigError, InvalidRequestError
+from tailserve.memory.block_pool import BlockPool
+from tailserve.memory.kv_cache import allocate_kv_caches, kv_bytes_per_block
+from tailserve.model.config import parse_dtype
+from tailserve.model.loader import load_model
+from tailserve.model.tokenizer import Tokenizer
+from tailserve.outputs import CompletionOutput, RequestOutput
+from tailserve.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+@dataclass
+class _RequestState:
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer | None
+    logprobs: list[dict[int, float]] | None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device cuda requested but torch.cuda.is_available() is False")
+        model_dir = pathlib.Path(resolve_model_path(config.model))
+        self.model_dir = model_dir
+        dtype = None if config.dtype == "auto" else parse_dtype(config.dtype)
+        from tailserve.model.config import load_arch_config
+
+        arch = load_arch_config(model_dir)
+        max_len = config.max_model_len or arch.max_position_embeddings
+        if max_len > arch.max_position_embeddings:
+            raise ConfigError(f"max_model_len {max_len} exceeds the model's max_position_embeddings "
+                              f"{arch.max_position_embeddings}")
+        self.max_model_len = max_len
+        self.model, self.arch = load_model(model_dir, dtype, self.device, max_positions=max_len)
+        self.dtype = self.model.embed_tokens.dtype
+        self.tokenizer = Tokenizer.maybe_load(model_dir)
+
+        per_block = kv_bytes_per_block(self.arch, config.block_size, self.dtype)
+        num_blocks = config.kv_cache_memory_bytes // per_block
+        if num_blocks < 1:
+            raise ConfigError(f"kv_cache_memory_bytes {config.kv_cache_memory_bytes} holds no block "
+                              f"(one block of {config.block_size} tokens takes {per_block} bytes)")
+        self.kv_caches = allocate_kv_caches(self.arch, num_blocks, config.block_size, self.dtype, self.device)
+        self.block_pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler_config, self.block_pool)
+        self.runner = ModelRunner(self.model, self.arch, self.kv_caches, config.block_size, self.device, config.seed)
+
+        eos = set(self.arch.eos_token_ids)
+        if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self._states: dict[str, _RequestState] = {}
+        self._ids = itertools.count()
+
+    # -- requests ------------------------------------------------------------------------
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty", "prompt")
+            if self.tokenizer is None:
+                raise InvalidRequestError(f"{self.model_dir} has no tokenizer.json; pass token ids instead of text",
+                                          "prompt")
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list | tuple):
+            raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
+                                      "prompt")
+        if not prompt:
+            raise InvalidRequestError("prompt must not be empty", "prompt")
+        vocab = self.arch.vocab_size
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}", "prompt")
+        return None, list(prompt)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling params must be a SamplingParams", "sampling_params")
+        text, ids = self.tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens but the model's context (max_model_len) is {self.max_model_len}; "
+                "at least one token must be left to generate", "prompt")
+        total = min(len(ids) + params.max_tokens, self.max_model_len)
+        need_blocks = -(-total // self.config.block_size)
+        if need_blocks > self.block_pool.num_blocks:
+            raise InvalidRequestError(
+                f"prompt + max_tokens needs {need_blocks} KV blocks but the cache holds "
+                f"{self.block_pool.num_blocks}; raise --kv-cache-memory or lower max_tokens", "max_tokens")
+        for t in params.stop_token_ids:
+            if t >= self.arch.vocab_size:
+                raise InvalidRequestError(f"stop token id {t} is outside the vocabulary ({self.arch.vocab_size})",
+                                          "stop_token_ids")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {rid!r} is already in use", "request_id")
+        req = Request(rid, ids, params, self.eos_token_ids, self.max_model_len)
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop,
+                                           params.include_stop_str_in_output)
+        elif params.stop:
+            raise InvalidRequestError("stop strings need a tokenizer; this model has none", "stop")
+        self._states[rid] = _RequestState(text, detok, [] if params.logprobs is not None else None)
+        self.scheduler.add_request(req)
+        return rid
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        self._states.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.scheduler.requests)
+
+    # -- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            self.runner.forget(sched.finished_ids)
+            return []
+        params = {s.request_id: self.scheduler.requests[s.request_id].params for s in sched.scheduled}
+        result = self.runner.execute(sched, params)
+        updates = self.scheduler.update(sched, result)
+        return [self._process(u) for u in updates]
+
+    def _process(self, u: RequestUpdate) -> RequestOutput:
+        req = u.request
+        state = self._states[req.request_id]
+        delta_text = ""
+        finished = u.finished
+        if state.detokenizer is not None:
+            delta_text, hit = state.detokenizer.append(u.new_token_ids)
+            if hit is not None:
+                if not finished:
+                    self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+                    finished = True
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = hit
+        if state.logprobs is not None and u.new_logprobs:
+            state.logprobs.extend(u.new_logprobs)
+        completion = CompletionOutput(
+            index=0,
+            text=state.detokenizer.text if state.detokenizer is not None else "",
+            token_ids=req.output_token_ids,
+            finish_reason=req.finish_reason if finished else None,
+            stop_reason=req.stop_reason if finished else None,
+            logprobs=state.logprobs,
+        )
+        if finished:
+            self._states.pop(req.request_id, None)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_preemptions=req.num_preemptions,
+            delta_text=delta_text,
+            delta_token_ids=u.new_token_ids,
+        )

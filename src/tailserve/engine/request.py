@@ -1,0 +1,84 @@
+"""One request's state as the scheduler sees it: token ids, KV blocks, progress, status."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from tailserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class Request:
+    """Invariant: 0 <= num_computed_tokens <= num_tokens, and the request's blocks hold the
+    K/V of exactly its first num_computed_tokens tokens."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    arrival_index: int = 0
+    all_token_ids: list[int] = field(init=False)
+    status: RequestStatus = RequestStatus.WAITING
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    def append_output(self, token_id: int) -> bool:
+        """Append a sampled token; return True if it ends the request (status set)."""
+        self.all_token_ids.append(token_id)
+        p = self.params
+        if (not p.ignore_eos and token_id in self.eos_token_ids) or token_id in p.stop_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+            self.stop_reason = token_id if token_id in p.stop_token_ids else None
+            return True
+        if self.num_output_tokens >= p.max_tokens or self.num_tokens >= self.max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

@@ -1,0 +1,178 @@
+"""The KV block pool: reference-counted fixed-size blocks with a prefix cache on top.
+
+A block holds ``block_size`` tokens' K/V in every layer. Requests own blocks through their
+block tables; a full block whose tokens are known gets a *chained* hash,
+``hash(parent_hash, token_ids)``, so equal hashes mean equal whole prefixes. On a hash hit
+the token ids are compared too, so even a hash collision never shares the wrong block.
+Freed blocks that carry a hash stay in the free queue, reusable, until they are evicted
+least recently used first; blocks without a hash are handed out before any cached one.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+BlockHash = int
+HashFn = Callable[[BlockHash | None, tuple[int, ...]], BlockHash]
+
+
+def default_block_hash(parent: BlockHash | None, token_ids: tuple[int, ...]) -> BlockHash:
+    return hash((parent, token_ids))
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: BlockHash | None = None
+    token_ids: tuple[int, ...] | None = None  # set together with block_hash
+
+
+@dataclass
+class PrefixCacheStats:
+    queries_tokens: int = 0  # prompt tokens looked up at admission
+    hits_tokens: int = 0  # of those, tokens found in cached blocks
+    evictions: int = 0  # cached blocks whose hash was dropped to reuse the block
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits_tokens / self.queries_tokens if self.queries_tokens else 0.0
+
+
+@dataclass
+class BlockPool:
+    num_blocks: int
+    block_size: int
+    enable_prefix_caching: bool = True
+    hash_fn: HashFn = default_block_hash
+    blocks: list[Block] = field(init=False)
+    stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 1 or self.block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self.blocks = [Block(i) for i in range(self.num_blocks)]
+        # Free blocks, eviction order first. Values unused; OrderedDict gives O(1) removal.
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(self.num_blocks))
+        self._cached: dict[BlockHash, int] = {}
+
+    # -- queries -----------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    # -- allocation ----------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """Take n free blocks (ref count 1). Raises if fewer are free: callers check first."""
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} blocks, {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_count = 1
+            out.append(block_id)
+        return out
+
+    def _evict(self, block: Block) -> None:
+        if self._cached.get(block.block_hash) == block.block_id:  # type: ignore[arg-type]
+            del self._cached[block.block_hash]  # type: ignore[arg-type]
+        block.block_hash = None
+        block.token_ids = None
+        self.stats.evictions += 1
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference to each block. Freed in reverse so a request's tail blocks
+        (least likely to be shared) are evicted before its head blocks."""
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"block {block_id} freed more often than allocated")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(block_id, last=False)
+
+    # -- prefix cache ----------------------------------------------------------------------
+    def hash_blocks(self, token_ids: Sequence[int], num_full_blocks: int,
+                    known: list[BlockHash] | None = None) -> list[BlockHash]:
+        """Chained hashes of the first num_full_blocks blocks; ``known`` hashes are reused."""
+        hashes = list(known or [])
+        bs = self.block_size
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_full_blocks):
+            parent = self.hash_fn(parent, tuple(token_ids[i * bs : (i + 1) * bs]))
+            hashes.append(parent)
+        return hashes
+
+    def lookup(self, token_ids: Sequence[int], hashes: Sequence[BlockHash]) -> list[int]:
+        """Longest run of cached blocks matching the leading full blocks of token_ids."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        hits: list[int] = []
+        for i, h in enumerate(hashes):
+            block_id = self._cached.get(h)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.token_ids != tuple(token_ids[i * bs : (i + 1) * bs]):
+                break  # hash collision: different tokens, never reuse
+            hits.append(block_id)
+        return hits
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Take a reference to cache-hit blocks, pulling free ones out of the free queue."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+
+    def cache_block(self, block_id: int, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
+        """Register a full, computed block under its hash (first writer wins)."""
+        if not self.enable_prefix_caching:
+            return
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            return
+        if block_hash in self._cached:
+            return  # an identical block is already cached; this one stays private
+        block.block_hash = block_hash
+        block.token_ids = token_ids
+        self._cached[block_hash] = block_id
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            if block.block_hash is not None and block.ref_count == 0:
+                self._evict(block)
+
+    def check_consistency(self) -> None:
+        """Raise if the pool's invariants do not hold (used by tests and debug checks)."""
+        for block in self.blocks:
+            in_free = block.block_id in self._free
+            if (block.ref_count == 0) != in_free:
+                raise AssertionError(f"block {block.block_id}: ref {block.ref_count}, in free queue {in_free}")
+            if block.ref_count < 0:
+                raise AssertionError(f"block {block.block_id}: negative ref count")
+            if (block.block_hash is None) != (block.token_ids is None):
+                raise AssertionError(f"block {block.block_id}: hash and token ids out of step")
+        for h, block_id in self._cached.items():
+            if self.blocks[block_id].block_hash != h:
+                raise AssertionError(f"cache entry for block {block_id} does not match its hash")

@@ -1,0 +1,1 @@
+"""Hugging Face checkpoint loading and the Llama-family decoder."""

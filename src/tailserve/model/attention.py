@@ -1,0 +1,151 @@
+"""Paged attention: the pure-PyTorch reference backend and the metadata it reads.
+
+The runner builds one ``AttentionMetadata`` per step (shared by every layer). Tokens of
+the flat batch are grouped so that each group is a small padded batch: all single-token
+decodes form one group, all longer query chunks (prefill chunks, speculative verification)
+another. Each group runs as one ``scaled_dot_product_attention`` call over K/V gathered
+from the paged cache by slot, so a batch of decodes needs no Python loop per sequence.
+This backend is the correctness oracle for faster ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences attended together as a padded batch of B rows, Q queries, C context slots."""
+
+    q_index: torch.Tensor  # (B*Q,) flat-batch index of each (padded) query
+    kv_slots: torch.Tensor  # (B, C) cache slot of each context position (padding -> slot 0)
+    mask: torch.Tensor | None  # (B, 1, Q, C) True = may attend; None = attend to all C
+    num_seqs: int
+    max_query_len: int
+    valid: torch.Tensor | None  # (n_valid,) rows of q_index that are real tokens; None if all
+    covers_batch: bool  # q_index is exactly arange(T): no gather/scatter needed
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # (T,) where each new token's K/V is written
+    groups: list[AttentionGroup]
+    num_tokens: int
+
+
+def build_attention_metadata(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    sliding_window: int | None,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Metadata for a flat batch whose sequence i contributes query_lens[i] tokens, the last
+    of which sits at position context_lens[i] - 1 (context includes the new tokens)."""
+    slots: list[int] = []
+    for qlen, ctx, table in zip(query_lens, context_lens, block_tables):
+        for pos in range(ctx - qlen, ctx):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    num_tokens = len(slots)
+
+    starts = []
+    acc = 0
+    for qlen in query_lens:
+        starts.append(acc)
+        acc += qlen
+    decode_ids = [i for i, q in enumerate(query_lens) if q == 1]
+    multi_ids = [i for i, q in enumerate(query_lens) if q > 1]
+    groups = []
+    for ids in (decode_ids, multi_ids):
+        if ids:
+            groups.append(_build_group(ids, query_lens, context_lens, block_tables, block_size, starts,
+                                       num_tokens, sliding_window, device))
+    slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+    return AttentionMetadata(slot_mapping=slot_mapping, groups=groups, num_tokens=num_tokens)
+
+
+def _build_group(ids, query_lens, context_lens, block_tables, block_size, starts, num_tokens,
+                 sliding_window, device) -> AttentionGroup:
+    b = len(ids)
+    max_q = max(query_lens[i] for i in ids)
+    max_ctx = max(context_lens[i] for i in ids)
+    max_blocks = (max_ctx + block_size - 1) // block_size
+    tables = torch.zeros((b, max_blocks), dtype=torch.long)
+    q_index = torch.zeros((b, max_q), dtype=torch.long)
+    q_pos = torch.zeros((b, max_q), dtype=torch.long)
+    valid = torch.zeros((b, max_q), dtype=torch.bool)
+    for row, i in enumerate(ids):
+        table = block_tables[i]
+        nb = (context_lens[i] + block_size - 1) // block_size
+        tables[row, :nb] = torch.tensor(table[:nb], dtype=torch.long)
+        qlen, ctx = query_lens[i], context_lens[i]
+        q_index[row, :qlen] = torch.arange(starts[i], starts[i] + qlen)
+        q_pos[row, :qlen] = torch.arange(ctx - qlen, ctx)
+        valid[row, :qlen] = True
+    offsets = torch.arange(block_size, dtype=torch.long)
+    kv_slots = (tables[:, :, None] * block_size + offsets).reshape(b, -1)[:, :max_ctx]
+    kv_pos = torch.arange(max_ctx, dtype=torch.long)
+    all_valid = bool(valid.all())
+    uniform_ctx = all(context_lens[i] == max_ctx for i in ids)
+    if max_q == 1 and uniform_ctx and sliding_window is None:
+        mask = None  # every query sees its whole context
+    else:
+        # Causal within the chunk and bounded by each row's own context; padded query rows
+        # sit at position 0 so they see slot 0 and never produce an all-masked row (NaN).
+        m = kv_pos[None, None, :] <= q_pos[:, :, None]
+        if sliding_window is not None:
+            m &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+        mask = m.unsqueeze(1)
+    flat_q = q_index.reshape(-1)
+    covers = all_valid and flat_q.numel() == num_tokens and bool(
+        torch.equal(flat_q, torch.arange(num_tokens)))
+    return AttentionGroup(
+        q_index=flat_q.to(device),
+        kv_slots=kv_slots.to(device),
+        mask=None if mask is None else mask.to(device),
+        num_seqs=b,
+        max_query_len=max_q,
+        valid=None if all_valid else valid.reshape(-1).nonzero().squeeze(1).to(device),
+        covers_batch=covers,
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,  # (T, H, D)
+    k: torch.Tensor,  # (T, KVH, D)
+    v: torch.Tensor,  # (T, KVH, D)
+    kv_cache: torch.Tensor,  # (2, num_blocks, block_size, KVH, D)
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Write the new K/V into the cache, then attend every query to its context. (T, H*D)."""
+    t, h, d = q.shape
+    kvh = k.shape[1]
+    k_cache = kv_cache[0].view(-1, kvh, d)
+    v_cache = kv_cache[1].view(-1, kvh, d)
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    gqa = h != kvh
+    out = None
+    for g in meta.groups:
+        qg = q if g.covers_batch else q.index_select(0, g.q_index)
+        qg = qg.view(g.num_seqs, g.max_query_len, h, d).transpose(1, 2)  # (B, H, Q, D)
+        kg = k_cache[g.kv_slots].transpose(1, 2)  # (B, KVH, C, D)
+        vg = v_cache[g.kv_slots].transpose(1, 2)
+        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=gqa)
+        og = og.transpose(1, 2).reshape(g.num_seqs * g.max_query_len, h * d)  # (B*Q, H*D)
+        if g.covers_batch:
+            return og
+        if out is None:
+            out = q.new_empty((t, h * d))
+        if g.valid is None:
+            out[g.q_index] = og
+        else:
+            out[g.q_index[g.valid]] = og[g.valid]
+    if out is None:
+        raise ValueError("attention metadata has no groups")
+    return out

@@ -1,0 +1,113 @@
+"""Per-request sampling parameters: frozen and validated once, on construction."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tailserve.errors import InvalidRequestError
+
+# Below this a temperature means greedy decoding (vLLM uses the same cut-off).
+GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next tokens of one request.
+
+    temperature 0 means greedy. ``top_k`` 0 or -1 disables top-k; ``top_p`` 1.0 disables
+    nucleus filtering; ``min_p`` 0.0 disables min-p. ``seed`` makes a request's samples
+    reproducible whatever else shares its batch. ``stop`` strings end the output (and are
+    cut from the text unless ``include_stop_str_in_output``); ``stop_token_ids`` end it
+    after that token. ``logprobs`` = k returns the sampled token's log-probability and the
+    k most likely tokens' at each step.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        # Accept a single string / lists for convenience, store tuples (hashable, frozen).
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        elif isinstance(stop, Sequence) and not isinstance(stop, bytes | bytearray):
+            stop = tuple(stop)
+        else:
+            raise InvalidRequestError(f"stop must be a string or a list of strings, got {type(stop).__name__}", "stop")
+        for s in stop:
+            if not isinstance(s, str):
+                raise InvalidRequestError(f"stop must contain only strings, got {type(s).__name__}", "stop")
+            if s == "":
+                raise InvalidRequestError("stop strings must not be empty", "stop")
+        object.__setattr__(self, "stop", stop)
+
+        ids = self.stop_token_ids
+        if ids is None:
+            ids = ()
+        elif isinstance(ids, Sequence) and not isinstance(ids, str | bytes | bytearray):
+            ids = tuple(ids)
+        else:
+            raise InvalidRequestError(
+                f"stop_token_ids must be a list of integers, got {type(ids).__name__}", "stop_token_ids")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise InvalidRequestError(f"stop_token_ids must contain non-negative integers, got {t!r}",
+                                          "stop_token_ids")
+        object.__setattr__(self, "stop_token_ids", ids)
+
+        _check_int(self.n, "n", lo=1)
+        if self.n != 1:
+            raise InvalidRequestError("only n=1 is supported", "n")
+        _check_number(self.temperature, "temperature")
+        if self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}", "temperature")
+        _check_number(self.top_p, "top_p")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        _check_int(self.top_k, "top_k", lo=-1)
+        _check_number(self.min_p, "min_p")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        if self.seed is not None:
+            _check_int(self.seed, "seed")
+        _check_int(self.max_tokens, "max_tokens", lo=1)
+        if self.logprobs is not None:
+            _check_int(self.logprobs, "logprobs", lo=0)
+            if self.logprobs > 20:
+                raise InvalidRequestError(f"logprobs must be at most 20, got {self.logprobs}", "logprobs")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def effective_top_k(self) -> int:
+        """top_k with 'disabled' spelled 0."""
+        return 0 if self.top_k in (0, -1) else self.top_k
+
+
+def _check_int(value: object, name: str, lo: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"{name} must be an integer, got {value!r}", name)
+    if lo is not None and value < lo:
+        raise InvalidRequestError(f"{name} must be >= {lo}, got {value}", name)
+
+
+def _check_number(value: object, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", name)

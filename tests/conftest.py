@@ -1,0 +1,109 @@
+"""Shared fixtures: tiny random-initialised Hugging Face checkpoints made on the fly.
+
+Each checkpoint is created with transformers (a test-only dependency) and saved with
+``save_pretrained``, so the loader is tested on exactly what users' checkpoints look like.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+
+TINY_VOCAB = 384
+_CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "import os\nimport sys\nprint(os.getcwd())\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "for i in range(10):\n    if i % 2 == 0:\n        continue\n    print(i)\n",
+    "Unicode: héllo wörld ✓ 你好\n",
+] * 20
+
+
+def make_tokenizer(path: pathlib.Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB - 16, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        '{"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}')
+
+
+ARCHS = {
+    "llama": dict(arch="LlamaForCausalLM"),
+    "llama_tied": dict(arch="LlamaForCausalLM", tie_word_embeddings=True),
+    "llama_rope_linear": dict(arch="LlamaForCausalLM", rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "llama_rope_llama3": dict(arch="LlamaForCausalLM", rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}),
+    "qwen2": dict(arch="Qwen2ForCausalLM"),
+    "qwen3": dict(arch="Qwen3ForCausalLM"),
+    "mistral": dict(arch="MistralForCausalLM", sliding_window=None),
+}
+
+
+def build_hf_model(kind: str, seed: int = 0, **overrides):
+    import transformers
+
+    spec = dict(ARCHS[kind])
+    arch = spec.pop("arch")
+    rope_scaling = spec.pop("rope_scaling", None)
+    cfg_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    kw = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+              bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+    if arch == "Qwen3ForCausalLM":
+        kw["head_dim"] = 16
+    kw.update(spec)
+    kw.update(overrides)
+    cfg = cfg_cls(**kw)
+    if rope_scaling is not None:
+        # transformers >= 5 reads rope_parameters; older versions read rope_scaling.
+        params = {"rope_theta": 10000.0, **rope_scaling}
+        if hasattr(cfg, "rope_parameters"):
+            cfg.rope_parameters = params
+        else:
+            cfg.rope_scaling = params
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(cfg).eval()
+    # Random init gives tiny logits; scale embeddings up so greedy choices are not near-ties.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    return model
+
+
+def save_checkpoint(model, path: pathlib.Path, dtype: torch.dtype = torch.float32, **save_kw) -> pathlib.Path:
+    path.mkdir(parents=True, exist_ok=True)
+    model.to(dtype).save_pretrained(path, safe_serialization=True, **save_kw)
+    model.float()
+    make_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """tiny_checkpoint(kind) -> (folder, transformers model in float32), cached per kind."""
+    cache: dict[str, tuple[pathlib.Path, object]] = {}
+
+    def get(kind: str = "llama"):
+        if kind not in cache:
+            model = build_hf_model(kind)
+            path = save_checkpoint(model, tmp_path_factory.mktemp(kind))
+            cache[kind] = (path, model)
+        return cache[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def llama_checkpoint(tiny_checkpoint):
+    return tiny_checkpoint("llama")
