@@ -224,7 +224,8 @@ def main() -> None:
     tok = train_tokenizer(train_texts)
     train_ids = encode_corpus(tok, train_texts)
     held_ids = encode_corpus(tok, held_texts)
-    log(f"tokenizer: {tok.get_vocab_size()} entries; train {train_ids.numel()} tokens, held-out {held_ids.numel()} tokens")
+    log(f"tokenizer: {tok.get_vocab_size()} entries; "
+        f"train {train_ids.numel()} tokens, held-out {held_ids.numel()} tokens")
 
     target = make_model(TARGET_SHAPE, args.seed)
     log(f"target: {sum(p.numel() for p in target.parameters()) / 1e6:.2f}M parameters")

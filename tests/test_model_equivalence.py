@@ -69,7 +69,7 @@ def test_mixed_batch_of_prefill_chunks_and_decodes_matches(tiny_checkpoint):
         # Step 2: seq0 decodes token 12, seq1 prefills 10..21, seq2 prefills all 9.
         meta = build_attention_metadata([1, 12, 9], [13, 22, 9], tables, bs, None, dev)
         ids = seqs[0][12:13] + seqs[1][10:22] + seqs[2]
-        pos = [12] + list(range(10, 22)) + list(range(9))
+        pos = [12, *list(range(10, 22)), *list(range(9))]
         logits = model.compute_logits(model(torch.tensor(ids), torch.tensor(pos), caches, meta))
     assert (logits[0] - refs[0][12]).abs().max() <= TOL
     assert (logits[1:13] - refs[1][10:22]).abs().max() <= TOL

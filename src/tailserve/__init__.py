@@ -22,7 +22,18 @@ from tailserve.sampling_params import SamplingParams
 __version__ = "0.1.0"
 
 __all__ = [
-    "LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
-    "TailserveError", "InvalidRequestError", "ConfigError", "CheckpointError", "CheckpointNotFoundError",
-    "CheckpointFormatError", "UnsupportedArchitectureError", "__version__",
+    "LLM",
+    "CheckpointError",
+    "CheckpointFormatError",
+    "CheckpointNotFoundError",
+    "CompletionOutput",
+    "ConfigError",
+    "EngineConfig",
+    "InvalidRequestError",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+    "TailserveError",
+    "UnsupportedArchitectureError",
+    "__version__",
 ]

@@ -79,7 +79,7 @@ class EngineConfig:
         if not self.enable_chunked_prefill and self.max_model_len is not None \
                 and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
-        self.scheduler_config  # validates the scheduler fields
+        _ = self.scheduler_config  # validates the scheduler fields
 
     @property
     def scheduler_config(self) -> SchedulerConfig:

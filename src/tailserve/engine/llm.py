@@ -22,7 +22,7 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model or "builtin", **kwargs))  # type: ignore[arg-type]
 
     @property
-    def tokenizer(self):  # noqa: ANN201 - Tokenizer | None
+    def tokenizer(self):
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],

@@ -94,7 +94,7 @@ def _get(cfg: dict[str, Any], key: str, path: pathlib.Path, kind: type, default:
     value = cfg[key]
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
-    if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+    if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
         raise CheckpointFormatError(f"{path}: key {key!r} should be {kind.__name__}, got {value!r}")
     return value
 
@@ -152,9 +152,8 @@ def load_arch_config(model_dir: pathlib.Path) -> ModelArchConfig:
     head_dim = _get(cfg, "head_dim", path, int, hidden // heads)
 
     sliding_window = cfg.get("sliding_window")
-    if arch == "Qwen2ForCausalLM" or arch == "Qwen3ForCausalLM":
-        if not cfg.get("use_sliding_window", False):
-            sliding_window = None
+    if (arch == "Qwen2ForCausalLM" or arch == "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
+        sliding_window = None
     if sliding_window is not None and not isinstance(sliding_window, int):
         raise CheckpointFormatError(f"{path}: sliding_window should be an integer or null")
 

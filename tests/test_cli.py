@@ -1,0 +1,33 @@
+"""The command line, run as a user would: a subprocess, one-line errors, non-zero exit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tailserve", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_generate_prints_completion(llama_checkpoint):
+    path, _ = llama_checkpoint
+    p = run("generate", "--model", str(path), "--max-tokens", "8", "--dtype", "float32",
+            "--kv-cache-memory", "1MiB", "--ignore-eos", "--stats", "def add(a, b):")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("def add(a, b):")
+    assert "8 output tokens" in p.stderr
+
+
+def test_missing_model_is_one_line_error(tmp_path):
+    p = run("generate", "--model", str(tmp_path / "missing"), "hello")
+    assert p.returncode == 2
+    assert p.stderr.strip().count("\n") == 0
+    assert p.stderr.startswith("tailserve: error:") and "not found" in p.stderr
+
+
+def test_bad_sampling_value_is_one_line_error(llama_checkpoint):
+    path, _ = llama_checkpoint
+    p = run("generate", "--model", str(path), "--temperature", "-1", "hi")
+    assert p.returncode == 2 and "temperature must be >= 0" in p.stderr
+    assert "Traceback" not in p.stderr

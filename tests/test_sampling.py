@@ -1,0 +1,124 @@
+"""Sampler and stop conditions through the real engine on a tiny checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tailserve import LLM, SamplingParams
+from tailserve.engine.sampler import SamplingTensors, filtered_probs
+
+
+@pytest.fixture(scope="module")
+def llm(llama_checkpoint):
+    path, _ = llama_checkpoint
+    return LLM(str(path), dtype="float32", kv_cache_memory_bytes=2 << 20)
+
+
+PROMPT = [5, 17, 42, 99, 3]
+
+
+def test_seeded_request_is_reproducible_whatever_shares_its_batch(llm):
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate([PROMPT], params)[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in (5, 30, 9)]
+    batch = llm.generate([[7, 8, 9], PROMPT, [11] * 40, [1, 2]], [others[0], params, others[1], others[2]])
+    assert batch[1].token_ids == alone
+    different_seed = llm.generate([PROMPT], SamplingParams(temperature=1.0, seed=99, max_tokens=16,
+                                                           ignore_eos=True))[0]
+    assert different_seed.token_ids != alone
+
+
+def test_top_k_1_is_greedy(llm):
+    greedy = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    topk1 = llm.generate([PROMPT], SamplingParams(temperature=1.5, top_k=1, max_tokens=12, ignore_eos=True))[0]
+    assert topk1.token_ids == greedy.token_ids
+
+
+def test_stop_token_ids_end_the_request(llm):
+    greedy = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].token_ids
+    stop_at = greedy[4]
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                stop_token_ids=[stop_at]))[0]
+    assert out.token_ids == greedy[: greedy.index(stop_at) + 1]
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop_at
+
+
+def test_eos_from_generation_config_ends_the_request(llm, llama_checkpoint, tmp_path):
+    import json
+    import shutil
+
+    greedy = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].token_ids
+    eos = greedy[5]
+    path, _ = llama_checkpoint
+    shutil.copytree(path, tmp_path / "m")
+    (tmp_path / "m" / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 1]}))
+    other = LLM(str(tmp_path / "m"), dtype="float32", kv_cache_memory_bytes=1 << 20)
+    assert other.engine.eos_token_ids == {eos, 1}
+    out = other.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12))[0]
+    assert out.token_ids == greedy[: greedy.index(eos) + 1] and out.finish_reason == "stop"
+    ignored = other.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    assert ignored.token_ids == greedy
+
+
+def test_stop_string_cuts_text(llm):
+    full = llm.generate(["def add(a, b):"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    text = full.text
+    assert len(text) >= 4
+    stop = text[2:4]
+    out = llm.generate(["def add(a, b):"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                          stop=[stop]))[0]
+    assert out.text == text[: text.index(stop)]
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
+    kept = llm.generate(["def add(a, b):"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                           stop=[stop], include_stop_str_in_output=True))[0]
+    assert kept.text == text[: text.index(stop) + len(stop)]
+
+
+def test_logprobs_are_returned(llm):
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3))[0]
+    lps = out.outputs[0].logprobs
+    assert len(lps) == 4
+    for tok, step in zip(out.token_ids, lps):
+        assert tok in step and len(step) == 3  # greedy token is also the most likely
+        assert max(step.values()) == step[tok] <= 0.0
+
+
+def test_abort_frees_blocks_and_step_outputs_stream(llm):
+    eng = llm.engine
+    rid = eng.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    deltas = []
+    for _ in range(5):
+        for out in eng.step():
+            deltas.extend(out.delta_token_ids)
+    assert len(deltas) == 5 and eng.block_pool.num_used_blocks > 0
+    eng.abort_request(rid)
+    assert eng.block_pool.num_used_blocks == 0
+    assert not eng.has_unfinished_requests()
+    assert eng.step() == []
+
+
+def test_filtered_probs_top_p_min_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    def probs(**kw):
+        st = SamplingTensors.from_params([SamplingParams(**kw)], 4, torch.device("cpu"))
+        return filtered_probs(logits, st)[0]
+    assert torch.allclose(probs(top_p=0.8), torch.tensor([0.625, 0.375, 0, 0]))
+    assert torch.allclose(probs(top_p=0.81), torch.tensor([0.5, 0.3, 0.15, 0]) / 0.95)
+    assert torch.allclose(probs(top_k=2), torch.tensor([0.625, 0.375, 0, 0]))
+    assert torch.allclose(probs(min_p=0.5), torch.tensor([0.625, 0.375, 0, 0]))
+    assert torch.allclose(probs(top_p=0.01), torch.tensor([1.0, 0, 0, 0]))
+
+
+def test_sampling_follows_the_distribution():
+    """Empirical frequencies of the exponential-race sampler match p (fixed seed, 4 sigma)."""
+    from tailserve.engine.sampler import Sampler
+
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 20000
+    logits = torch.log(p).expand(n, 4).contiguous()
+    st = SamplingTensors.from_params([SamplingParams(temperature=1.0)] * n, 4, torch.device("cpu"))
+    tokens = Sampler(4, torch.device("cpu"), seed=0).sample(logits, st, [None] * n)
+    freq = torch.bincount(tokens, minlength=4).float() / n
+    sigma = (p * (1 - p) / n).sqrt()
+    assert ((freq - p).abs() < 4 * sigma).all()
