@@ -54,7 +54,7 @@ class _TensorSource:
                 handle = stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
             except Exception as e:  # safetensors raises its own error types for corrupt headers
                 raise CheckpointFormatError(f"{f}: not a valid safetensors file ({e})") from None
-            for key in handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open is not iterable
                 self._where[key] = (f, handle)
         self.files = files
 
