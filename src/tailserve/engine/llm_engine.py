@@ -56,7 +56,8 @@ class LLMEngine:
             raise ConfigError(f"max_model_len {max_len} exceeds the model's max_position_embeddings "
                               f"{arch.max_position_embeddings}")
         self.max_model_len = max_len
-        self.model, self.arch = load_model(model_dir, dtype, self.device, max_positions=max_len)
+        self.model, self.arch = load_model(model_dir, dtype, self.device, max_positions=max_len,
+                                           pack_cpu_weights=config.cpu_onednn)
         self.dtype = self.model.embed_tokens.dtype
         self.tokenizer = Tokenizer.maybe_load(model_dir)
 

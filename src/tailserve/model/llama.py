@@ -13,6 +13,7 @@ from torch import nn
 
 from tailserve.model.attention import AttentionMetadata, paged_attention
 from tailserve.model.config import ModelArchConfig
+from tailserve.model.linear import Linear
 from tailserve.model.rope import RotaryEmbedding
 
 
@@ -29,8 +30,10 @@ class RMSNorm(nn.Module):
         self.dim = dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and scale in the model dtype, as transformers does.
-        return self.weight * F.rms_norm(x.float(), (self.dim,), eps=self.eps).to(x.dtype)
+        # One fused kernel. It accumulates in float32 like transformers' RMSNorm; in bf16/fp16
+        # it rounds once after the weight product where transformers rounds before it too, a
+        # last-bit difference that costs 4 kernel launches per norm to avoid.
+        return F.rms_norm(x, (self.dim,), self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -38,10 +41,8 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
-        self.qkv_proj = _param(cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size)
-        self.qkv_bias = _param(cfg.q_size + 2 * cfg.kv_size) if cfg.qkv_bias else None
-        self.o_proj = _param(cfg.hidden_size, cfg.q_size)
-        self.o_bias = _param(cfg.hidden_size) if cfg.o_bias else None
+        self.qkv_proj = Linear(cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size, cfg.qkv_bias)
+        self.o_proj = Linear(cfg.hidden_size, cfg.q_size, cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
@@ -51,7 +52,7 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)  # (T, (H + 2*KVH) * D)
+        qkv = self.qkv_proj(x)  # (T, (H + 2*KVH) * D)
         v = qkv[:, self.q_size + self.kv_size :].view(t, kvh, d)
         if self.q_norm is None:
             # q and k are adjacent in the fused projection: rotate both with one call.
@@ -61,22 +62,20 @@ class Attention(nn.Module):
             q = self.rotary(positions, self.q_norm(qkv[:, : self.q_size].view(t, h, d)))
             k = self.rotary(positions, self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, kvh, d)))
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # (T, H*D)
-        return F.linear(out, self.o_proj, self.o_bias)
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelArchConfig) -> None:
         super().__init__()
-        self.gate_up_proj = _param(2 * cfg.intermediate_size, cfg.hidden_size)
-        self.gate_up_bias = _param(2 * cfg.intermediate_size) if cfg.mlp_bias else None
-        self.down_proj = _param(cfg.hidden_size, cfg.intermediate_size)
-        self.down_bias = _param(cfg.hidden_size) if cfg.mlp_bias else None
+        self.gate_up_proj = Linear(2 * cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
+        self.down_proj = Linear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
         self.intermediate_size = cfg.intermediate_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up_proj, self.gate_up_bias)  # (T, 2*I)
+        gate_up = self.gate_up_proj(x)  # (T, 2*I)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj, self.down_bias)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -103,7 +102,8 @@ class LlamaFamilyModel(nn.Module):
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = Linear(cfg.vocab_size, cfg.hidden_size, bias=False)
+        self.tied = cfg.tie_word_embeddings
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -115,5 +115,9 @@ class LlamaFamilyModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32 logits."""
-        weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()
+        return self.lm_head(hidden).float()
+
+    def pack_for_cpu(self) -> bool:
+        """Reorder every projection (and the LM head) for oneDNN; False if not possible."""
+        results = [m.pack_for_cpu() for m in self.modules() if isinstance(m, Linear)]
+        return all(results)

@@ -78,8 +78,10 @@ def _assign(module: nn.Module, name: str, tensor: torch.Tensor, device: torch.de
 
 
 def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype | None = None,
-               device: str | torch.device = "cpu", max_positions: int | None = None
-               ) -> tuple[LlamaFamilyModel, ModelArchConfig]:
+               device: str | torch.device = "cpu", max_positions: int | None = None,
+               pack_cpu_weights: bool = False) -> tuple[LlamaFamilyModel, ModelArchConfig]:
+    """Load a checkpoint folder. ``pack_cpu_weights`` reorders the projections for oneDNN
+    (see ``tailserve.model.linear``); the engine does so on the CPU by default."""
     model_dir = pathlib.Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointNotFoundError(f"{model_dir}: model folder not found")
@@ -99,10 +101,14 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype | None = None,
             else:
                 tensor = src.get(key, shape, dtype)
             _assign(module, attr, tensor, device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens
     model.rotary.to(device)
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
     if leftover:  # a bug in the weight plan, not a user error
         raise RuntimeError(f"parameters left unloaded: {leftover}")
+    if pack_cpu_weights and device.type == "cpu":
+        model.pack_for_cpu()
     model.eval()
     return model, cfg
 
@@ -116,23 +122,23 @@ def _weight_plan(model: LlamaFamilyModel, cfg: ModelArchConfig) -> Iterator[tupl
         attn, mlp = layer.self_attn, layer.mlp
         yield layer.input_layernorm, "weight", p + "input_layernorm.weight", (hid,)
         yield layer.post_attention_layernorm, "weight", p + "post_attention_layernorm.weight", (hid,)
-        yield attn, "qkv_proj", tuple((p + f"self_attn.{n}_proj.weight", (s, hid))
+        yield attn.qkv_proj, "weight", tuple((p + f"self_attn.{n}_proj.weight", (s, hid))
                                       for n, s in (("q", q), ("k", kv), ("v", kv))), None
         if cfg.qkv_bias:
-            yield attn, "qkv_bias", tuple((p + f"self_attn.{n}_proj.bias", (s,))
+            yield attn.qkv_proj, "bias", tuple((p + f"self_attn.{n}_proj.bias", (s,))
                                           for n, s in (("q", q), ("k", kv), ("v", kv))), None
-        yield attn, "o_proj", p + "self_attn.o_proj.weight", (hid, q)
+        yield attn.o_proj, "weight", p + "self_attn.o_proj.weight", (hid, q)
         if cfg.o_bias:
-            yield attn, "o_bias", p + "self_attn.o_proj.bias", (hid,)
+            yield attn.o_proj, "bias", p + "self_attn.o_proj.bias", (hid,)
         if cfg.qk_norm:
             yield attn.q_norm, "weight", p + "self_attn.q_norm.weight", (d,)
             yield attn.k_norm, "weight", p + "self_attn.k_norm.weight", (d,)
-        yield mlp, "gate_up_proj", ((p + "mlp.gate_proj.weight", (inter, hid)),
+        yield mlp.gate_up_proj, "weight", ((p + "mlp.gate_proj.weight", (inter, hid)),
                                     (p + "mlp.up_proj.weight", (inter, hid))), None
         if cfg.mlp_bias:
-            yield mlp, "gate_up_bias", ((p + "mlp.gate_proj.bias", (inter,)), (p + "mlp.up_proj.bias", (inter,))), None
-            yield mlp, "down_bias", p + "mlp.down_proj.bias", (hid,)
-        yield mlp, "down_proj", p + "mlp.down_proj.weight", (hid, inter)
+            yield mlp.gate_up_proj, "bias", ((p + "mlp.gate_proj.bias", (inter,)), (p + "mlp.up_proj.bias", (inter,))), None
+            yield mlp.down_proj, "bias", p + "mlp.down_proj.bias", (hid,)
+        yield mlp.down_proj, "weight", p + "mlp.down_proj.weight", (hid, inter)
     yield model.norm, "weight", "model.norm.weight", (hid,)
     if not cfg.tie_word_embeddings:
-        yield model, "lm_head", "lm_head.weight", (cfg.vocab_size, hid)
+        yield model.lm_head, "weight", "lm_head.weight", (cfg.vocab_size, hid)
