@@ -65,10 +65,7 @@ def bench_tailserve(model: str, dtype: str, runs: int, new: int, mixed_new: int)
     def gen(prompts, n):
         return lambda: llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
 
-    res = _measure(gen, prompt, mixed, runs, new, mixed_new)
-    del llm
-    gc.collect()
-    return res
+    return _measure(gen, prompt, mixed, runs, new, mixed_new)
 
 
 def bench_hf(model: str, dtype: str, runs: int, new: int, mixed_new: int) -> dict[str, float]:
@@ -91,10 +88,7 @@ def bench_hf(model: str, dtype: str, runs: int, new: int, mixed_new: int) -> dic
                            pad_token_id=0)
         return run
 
-    res = _measure(gen, prompt, mixed, runs, new, mixed_new)
-    del m
-    gc.collect()
-    return res
+    return _measure(gen, prompt, mixed, runs, new, mixed_new)
 
 
 def _measure(gen, prompt, mixed, runs, new, mixed_new) -> dict[str, float]:
@@ -131,6 +125,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {args.runs} runs")
     results: dict[str, dict[str, dict[str, float]]] = {}
     for dtype in args.dtypes:
+        gc.collect()
         results[dtype] = {"tailserve": bench_tailserve(model, dtype, args.runs, args.new_tokens, args.mixed_new_tokens)}
         if not args.skip_hf:
             results[dtype]["transformers"] = bench_hf(model, dtype, args.runs, args.new_tokens, args.mixed_new_tokens)

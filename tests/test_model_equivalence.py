@@ -111,3 +111,18 @@ def test_half_precision_checkpoints_load_and_track_float32(tmp_path, dtype):
     # Same half-precision arithmetic, different kernels: compare loosely, and the argmax.
     assert (out - ref).abs().max().item() < 0.15 * ref.abs().max().item()
     assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "llama_tied"])
+def test_onednn_packed_weights_match_transformers(tiny_checkpoint, kind):
+    from tailserve.model.linear import Linear, onednn_available
+
+    if not onednn_available():
+        pytest.skip("this torch build has no oneDNN")
+    path, hf = tiny_checkpoint(kind)
+    model, cfg = load_model(path, torch.float32, pack_cpu_weights=True)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None for m in linears)
+    ids = list(range(2, 50))
+    ref = hf(torch.tensor([ids])).logits[0]
+    assert (_prefill(model, cfg, ids, 16, [3, 1, 0, 2]) - ref).abs().max().item() <= TOL

@@ -59,8 +59,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             print(f"--- [{i}] finish_reason={out.finish_reason}")
         print((out.prompt or "") + out.text)
     if args.stats:
+        from tailserve.metrics import render_table, summarize
+
         n_out = sum(o.num_output_tokens for o in outputs)
         n_in = sum(o.num_prompt_tokens for o in outputs)
+        metrics = [o.metrics for o in outputs if o.metrics is not None]
+        if metrics:
+            print(render_table(summarize(metrics, duration_s=elapsed)), file=sys.stderr, end="")
         print(f"--- {len(outputs)} requests, {n_in} prompt tokens, {n_out} output tokens in {elapsed:.3f} s "
               f"({n_out / elapsed:.1f} output tok/s)", file=sys.stderr)
     return 0

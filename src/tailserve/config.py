@@ -60,6 +60,10 @@ class EngineConfig:
     seed: int = 0
     # Reorder projection weights for oneDNN on the CPU (much faster GEMV; see model/linear.py).
     cpu_onednn: bool = True
+    # Record request timelines, step figures and Prometheus metrics.
+    enable_metrics: bool = True
+    # Name reported by /v1/models and in metric labels (default: the model folder's name).
+    served_model_name: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str | pathlib.Path) or not str(self.model):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tailserve.metrics.timeline import RequestMetrics
+
 
 @dataclass
 class CompletionOutput:
@@ -28,6 +30,7 @@ class RequestOutput:
     num_preemptions: int = 0
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    metrics: RequestMetrics | None = None  # set on the final output when metrics are on
 
     @property
     def text(self) -> str:

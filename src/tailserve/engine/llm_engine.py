@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import itertools
 import pathlib
+import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +25,8 @@ from tailserve.engine.scheduler import RequestUpdate, Scheduler
 from tailserve.errors import ConfigError, InvalidRequestError
 from tailserve.memory.block_pool import BlockPool
 from tailserve.memory.kv_cache import allocate_kv_caches, kv_bytes_per_block
+from tailserve.metrics.prometheus import PrometheusMetrics
+from tailserve.metrics.timeline import RequestMetrics, RequestTimeline, StepStats
 from tailserve.model.config import parse_dtype
 from tailserve.model.loader import load_model
 from tailserve.model.tokenizer import Tokenizer
@@ -78,6 +82,15 @@ class LLMEngine:
         self._states: dict[str, _RequestState] = {}
         self._ids = itertools.count()
 
+        self.model_name = config.served_model_name or model_dir.name
+        self.metrics_enabled = config.enable_metrics
+        self.prometheus = PrometheusMetrics(self.model_name) if config.enable_metrics else None
+        self.step_log: deque[StepStats] = deque(maxlen=4096)
+        self.finished_metrics: deque[RequestMetrics] = deque(maxlen=100_000)
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.num_finished_prompt_tokens = 0
+
     # -- requests ------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -99,7 +112,10 @@ class LLMEngine:
         return None, list(prompt)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, arrival_ns: int | None = None) -> str:
+        """Validate and queue a request. ``arrival_ns`` (perf_counter_ns) lets a server stamp
+        the moment the request arrived rather than when it reached the engine."""
+        arrival_ns = time.perf_counter_ns() if arrival_ns is None else arrival_ns
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling params must be a SamplingParams", "sampling_params")
@@ -122,6 +138,8 @@ class LLMEngine:
         if rid in self.scheduler.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use", "request_id")
         req = Request(rid, ids, params, self.eos_token_ids, self.max_model_len)
+        if self.metrics_enabled:
+            req.timeline = RequestTimeline(arrival_ns)
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop,
@@ -132,9 +150,12 @@ class LLMEngine:
         self.scheduler.add_request(req)
         return rid
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str) -> RequestMetrics | None:
+        """End a request now and free its blocks; returns its metrics (if recorded)."""
+        req = self.scheduler.requests.get(request_id)
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self._states.pop(request_id, None)
+        return self._record_finished(req) if req is not None else None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -145,14 +166,52 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
+        t0 = time.perf_counter_ns()
+        preempted_before = self.scheduler.num_preemptions
+        sched = self.scheduler.schedule(t0)
         if sched.is_empty:
             self.runner.forget(sched.finished_ids)
             return []
         params = {s.request_id: self.scheduler.requests[s.request_id].params for s in sched.scheduled}
         result = self.runner.execute(sched, params)
-        updates = self.scheduler.update(sched, result)
-        return [self._process(u) for u in updates]
+        t1 = time.perf_counter_ns()
+        updates = self.scheduler.update(sched, result, t1)
+        outputs = [self._process(u) for u in updates]
+        self.num_steps += 1
+        new_tokens = sum(len(u.new_token_ids) for u in updates)
+        self.num_generated_tokens += new_tokens
+        if self.metrics_enabled:
+            self._record_step(sched, t1 - t0, self.scheduler.num_preemptions - preempted_before, new_tokens)
+        return outputs
+
+    def _record_step(self, sched, duration_ns: int, preemptions: int, new_tokens: int) -> None:
+        running = self.scheduler.running
+        live = sum(r.num_computed_tokens for r in running)
+        slots = sum(len(r.block_ids) for r in running) * self.config.block_size
+        prefill = sum(len(s.token_ids) for s in sched.scheduled if s.is_prefill)
+        stats = StepStats(
+            step=self.num_steps, duration_s=duration_ns * 1e-9, num_requests=len(sched.scheduled),
+            num_prefill_tokens=prefill, num_decode_tokens=sched.num_scheduled_tokens - prefill,
+            num_running=len(running), num_waiting=self.scheduler.num_waiting,
+            kv_blocks_used=self.block_pool.num_used_blocks, kv_blocks_total=self.block_pool.num_blocks,
+            kv_token_utilization=live / slots if slots else 0.0, num_preemptions=preemptions,
+        )
+        self.step_log.append(stats)
+        if self.prometheus is not None:
+            ps = self.block_pool.stats
+            self.prometheus.observe_step(stats, ps.queries_tokens, ps.hits_tokens)
+            self.prometheus.observe_tokens(new_tokens)
+
+    def _record_finished(self, req: Request) -> RequestMetrics | None:
+        self.num_finished_prompt_tokens += req.num_prompt_tokens
+        if req.timeline is None:
+            return None
+        rm = RequestMetrics.from_timeline(req.request_id, req.timeline, req.num_prompt_tokens,
+                                          req.num_cached_tokens, req.finish_reason)
+        self.finished_metrics.append(rm)
+        if self.prometheus is not None:
+            self.prometheus.observe_finished(rm)
+        return rm
 
     def _process(self, u: RequestUpdate) -> RequestOutput:
         req = u.request
@@ -177,8 +236,10 @@ class LLMEngine:
             stop_reason=req.stop_reason if finished else None,
             logprobs=state.logprobs,
         )
+        metrics = None
         if finished:
             self._states.pop(req.request_id, None)
+            metrics = self._record_finished(req)
         return RequestOutput(
             request_id=req.request_id,
             prompt=state.prompt,
@@ -189,4 +250,5 @@ class LLMEngine:
             num_preemptions=req.num_preemptions,
             delta_text=delta_text,
             delta_token_ids=u.new_token_ids,
+            metrics=metrics,
         )

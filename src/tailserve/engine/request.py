@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from tailserve.metrics.timeline import RequestTimeline
 from tailserve.sampling_params import SamplingParams
 
 
@@ -42,6 +43,7 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    timeline: RequestTimeline | None = None  # None when the engine records no metrics
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

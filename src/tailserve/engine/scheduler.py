@@ -17,6 +17,7 @@ Policy, per step, under ``max_num_batched_tokens`` and ``max_num_seqs``:
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -98,6 +99,8 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
+        if req.timeline is not None and req.timeline.finished_ns is None:
+            req.timeline.finished_ns = time.perf_counter_ns()
         self._release(req)
 
     def _release(self, req: Request) -> None:
@@ -129,7 +132,7 @@ class Scheduler:
             req.block_ids.extend(self.pool.allocate(need))
         return True
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, now_ns: int) -> None:
         self.pool.free(req.block_ids)
         req.block_ids = []
         req.num_registered_blocks = 0
@@ -137,9 +140,12 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
+        if req.timeline is not None:
+            req.timeline.preempted_ns.append(now_ns)
         self.waiting.appendleft(req)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, now_ns: int | None = None) -> SchedulerOutput:
+        now_ns = time.perf_counter_ns() if now_ns is None else now_ns
         out = SchedulerOutput(finished_ids=self._finished_since_step)
         self._finished_since_step = []
         budget = self.config.max_num_batched_tokens
@@ -151,7 +157,7 @@ class Scheduler:
             preempted_self = False
             while not self._try_allocate(req, num_new):
                 victim = self.running.pop()
-                self._preempt(victim)
+                self._preempt(victim, now_ns)
                 out.preempted_ids.append(victim.request_id)
                 if victim is req:
                     preempted_self = True
@@ -187,6 +193,8 @@ class Scheduler:
                 self.pool.stats.hits_tokens += num_computed
                 req.block_ids.extend(self.pool.allocate(need))
                 req.status = RequestStatus.RUNNING
+                if req.timeline is not None:
+                    req.timeline.on_scheduled(now_ns)
                 self.running.append(req)
                 out.scheduled.append(self._scheduled_seq(req, num_new))
                 budget -= num_new
@@ -213,7 +221,9 @@ class Scheduler:
         )
 
     # -- results ---------------------------------------------------------------------------
-    def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
+    def update(self, sched: SchedulerOutput, result: ModelRunnerOutput, now_ns: int | None = None
+               ) -> list[RequestUpdate]:
+        now_ns = time.perf_counter_ns() if now_ns is None else now_ns
         updates = []
         for seq in sched.scheduled:
             req = self.requests.get(seq.request_id)
@@ -231,6 +241,10 @@ class Scheduler:
                 if req.append_output(tok):
                     finished = True
                     break
+            if req.timeline is not None:
+                req.timeline.on_tokens(now_ns, len(accepted))
+                if finished:
+                    req.timeline.finished_ns = now_ns
             lps = result.logprobs.get(req.request_id)
             updates.append(RequestUpdate(req, accepted, lps[: len(accepted)] if lps else None, finished))
             if finished:

@@ -136,7 +136,8 @@ def _weight_plan(model: LlamaFamilyModel, cfg: ModelArchConfig) -> Iterator[tupl
         yield mlp.gate_up_proj, "weight", ((p + "mlp.gate_proj.weight", (inter, hid)),
                                     (p + "mlp.up_proj.weight", (inter, hid))), None
         if cfg.mlp_bias:
-            yield mlp.gate_up_proj, "bias", ((p + "mlp.gate_proj.bias", (inter,)), (p + "mlp.up_proj.bias", (inter,))), None
+            yield mlp.gate_up_proj, "bias", ((p + "mlp.gate_proj.bias", (inter,)),
+                                             (p + "mlp.up_proj.bias", (inter,))), None
             yield mlp.down_proj, "bias", p + "mlp.down_proj.bias", (hid,)
         yield mlp.down_proj, "weight", p + "mlp.down_proj.weight", (hid, inter)
     yield model.norm, "weight", "model.norm.weight", (hid,)
