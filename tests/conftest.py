@@ -43,6 +43,7 @@ ARCHS = {
     "llama_rope_llama3": dict(arch="LlamaForCausalLM", rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64}),
+    "llama_biases": dict(arch="LlamaForCausalLM", attention_bias=True, mlp_bias=True),
     "qwen2": dict(arch="Qwen2ForCausalLM"),
     "qwen3": dict(arch="Qwen3ForCausalLM"),
     "mistral": dict(arch="MistralForCausalLM", sliding_window=None),
@@ -75,9 +76,11 @@ def build_hf_model(kind: str, seed: int = 0, **overrides):
     model = getattr(transformers, arch)(cfg).eval()
     # Random init gives tiny logits; scale embeddings up so greedy choices are not near-ties.
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.mul_(3.0)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.5)  # transformers initialises biases to zero: make them count
     return model
 
 

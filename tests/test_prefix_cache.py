@@ -21,9 +21,9 @@ def test_shared_64_token_prefix_reuses_4_blocks_and_skips_their_compute(llama_ch
     computed = []
     original = llm.engine.runner.execute
 
-    def spy(sched, params):
+    def spy(sched, params, *rest):
         computed.append(sched.num_scheduled_tokens)
-        return original(sched, params)
+        return original(sched, params, *rest)
 
     llm.engine.runner.execute = spy
     second_prompt = [*prefix, 11, 12, 13, 14, 15]

@@ -64,6 +64,15 @@ class EngineConfig:
     enable_metrics: bool = True
     # Name reported by /v1/models and in metric labels (default: the model folder's name).
     served_model_name: str | None = None
+    # Speculative decoding. speculative_model: a checkpoint folder or "builtin"; method
+    # "draft_model" (implied by a model) or "ngram". num_speculative_tokens fixes k; without
+    # it k is chosen per step (adaptive, up to speculative_max_tokens).
+    speculative_model: str | None = None
+    speculative_method: str | None = None
+    num_speculative_tokens: int | None = None
+    speculative_max_tokens: int = 6
+    ngram_min: int = 1
+    ngram_max: int = 4
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str | pathlib.Path) or not str(self.model):
@@ -86,6 +95,21 @@ class EngineConfig:
                 and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
         _ = self.scheduler_config  # validates the scheduler fields
+        method = self.speculative_method
+        if method is None and self.speculative_model is not None:
+            method = "draft_model"
+        if method not in (None, "draft_model", "ngram"):
+            raise ConfigError(f"speculative_method must be draft_model or ngram, got {method!r}")
+        if method == "draft_model" and not self.speculative_model:
+            raise ConfigError("speculative_method draft_model needs speculative_model (a folder or 'builtin')")
+        object.__setattr__(self, "speculative_method", method)
+        k = self.num_speculative_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16):
+            raise ConfigError(f"num_speculative_tokens must be an integer in [1, 16], got {k!r}")
+        if not 1 <= self.speculative_max_tokens <= 16:
+            raise ConfigError("speculative_max_tokens must be in [1, 16]")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
 
     @property
     def scheduler_config(self) -> SchedulerConfig:

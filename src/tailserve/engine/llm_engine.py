@@ -32,6 +32,9 @@ from tailserve.model.loader import load_model
 from tailserve.model.tokenizer import Tokenizer
 from tailserve.outputs import CompletionOutput, RequestOutput
 from tailserve.sampling_params import SamplingParams
+from tailserve.spec.adaptive import AdaptiveSpeculation
+from tailserve.spec.proposer import DraftModelProposer, NgramProposer, ProposalInput
+from tailserve.spec.stats import SpecDecodeStats
 
 Prompt = str | list[int]
 
@@ -66,6 +69,20 @@ class LLMEngine:
         self.tokenizer = Tokenizer.maybe_load(model_dir)
 
         per_block = kv_bytes_per_block(self.arch, config.block_size, self.dtype)
+        self.spec_method = config.speculative_method
+        draft_model = draft_arch = None
+        if self.spec_method == "draft_model":
+            draft_dir = pathlib.Path(resolve_model_path(config.speculative_model, draft=True))
+            draft_model, draft_arch = load_model(draft_dir, self.dtype, self.device, max_positions=max_len,
+                                                 pack_cpu_weights=config.cpu_onednn)
+            if draft_arch.vocab_size != self.arch.vocab_size:
+                raise ConfigError(f"draft model vocabulary ({draft_arch.vocab_size}) differs from the target's "
+                                  f"({self.arch.vocab_size}); speculative decoding needs the same tokenizer")
+            if draft_arch.max_position_embeddings < max_len:
+                raise ConfigError(f"draft model context ({draft_arch.max_position_embeddings}) is shorter than "
+                                  f"max_model_len {max_len}")
+            # One block id addresses both caches, so the byte budget pays for both.
+            per_block += kv_bytes_per_block(draft_arch, config.block_size, self.dtype)
         num_blocks = config.kv_cache_memory_bytes // per_block
         if num_blocks < 1:
             raise ConfigError(f"kv_cache_memory_bytes {config.kv_cache_memory_bytes} holds no block "
@@ -74,6 +91,17 @@ class LLMEngine:
         self.block_pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, self.block_pool)
         self.runner = ModelRunner(self.model, self.arch, self.kv_caches, config.block_size, self.device, config.seed)
+        self.proposer: DraftModelProposer | NgramProposer | None = None
+        if draft_model is not None and draft_arch is not None:
+            draft_caches = allocate_kv_caches(draft_arch, num_blocks, config.block_size, self.dtype, self.device)
+            self.proposer = DraftModelProposer(draft_model, draft_arch, draft_caches, config.block_size, self.device,
+                                               self.runner.sampler.generator)
+        elif self.spec_method == "ngram":
+            self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
+        self.spec_controller = AdaptiveSpeculation(k_max=config.num_speculative_tokens or config.speculative_max_tokens,
+                                                   fixed_k=config.num_speculative_tokens)
+        self.spec_stats = SpecDecodeStats()
+        self._draft_probs: dict[str, torch.Tensor] = {}
 
         eos = set(self.arch.eos_token_ids)
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -173,16 +201,76 @@ class LLMEngine:
             self.runner.forget(sched.finished_ids)
             return []
         params = {s.request_id: self.scheduler.requests[s.request_id].params for s in sched.scheduled}
-        result = self.runner.execute(sched, params)
+        draft_probs = self._draft_probs if isinstance(self.proposer, DraftModelProposer) else None
+        result = self.runner.execute(sched, params, draft_probs)
         t1 = time.perf_counter_ns()
         updates = self.scheduler.update(sched, result, t1)
+        if self.proposer is not None:
+            self._after_verification(sched, updates)
         outputs = [self._process(u) for u in updates]
+        if self.proposer is not None:
+            self._propose()
         self.num_steps += 1
         new_tokens = sum(len(u.new_token_ids) for u in updates)
         self.num_generated_tokens += new_tokens
         if self.metrics_enabled:
             self._record_step(sched, t1 - t0, self.scheduler.num_preemptions - preempted_before, new_tokens)
         return outputs
+
+    # -- speculative decoding ------------------------------------------------------------
+    def _after_verification(self, sched, updates: list[RequestUpdate]) -> None:
+        self.spec_controller.target_cost.observe(sched.num_scheduled_tokens, self.runner.last_forward_s)
+        for s in sched.scheduled:
+            self._draft_probs.pop(s.request_id, None)  # consumed (or dropped) this step
+        for rid in sched.finished_ids:
+            self._draft_probs.pop(rid, None)
+        for u in updates:
+            k, m = u.num_draft_tokens, u.num_accepted
+            if not k:
+                continue
+            self.spec_stats.observe(k, m)
+            self.spec_controller.observe_round(m, k)
+            if self.prometheus is not None:
+                self.prometheus.observe_spec(k, m)
+            # The draft chain wrote K/V for drafts 1..k-1; the accepted ones are now valid.
+            u.request.num_draft_seen += min(m, k - 1)
+
+    def _propose(self) -> None:
+        running = [r for r in self.scheduler.running if not r.is_finished]
+        decoding = [r for r in running if r.num_computed_tokens >= r.num_prompt_tokens]
+        k = self.spec_controller.choose_k(len(decoding))
+        if k == 0:
+            return  # speculation off this step; a draft model catches up when it is back on
+        is_draft_model = isinstance(self.proposer, DraftModelProposer)
+        inputs = []
+        for req in running:
+            in_decode = req.num_computed_tokens >= req.num_prompt_tokens
+            kk = 0
+            if in_decode and not req.spec_token_ids:
+                kk = min(k, req.params.max_tokens - req.num_output_tokens - 1,
+                         self.max_model_len - req.num_tokens - 1)
+                if kk > 0 and not self.scheduler.reserve(req, req.num_tokens + kk):
+                    kk = 0
+            if not is_draft_model and kk <= 0:
+                continue
+            valid = req.num_tokens if in_decode else req.num_computed_tokens
+            if req.spec_token_ids:
+                continue  # drafts from an earlier step still wait for verification
+            inputs.append(ProposalInput(req.request_id, req.all_token_ids, req.num_draft_seen, valid,
+                                        req.block_ids, max(kk, 0), req.params,
+                                        self.runner.generator_for(req.request_id, req.params)))
+        if not inputs:
+            return
+        proposal = self.proposer.propose(inputs)  # type: ignore[union-attr]
+        if proposal.num_draft_forwards:
+            self.spec_controller.draft_cost.observe(
+                len(inputs), proposal.draft_forward_s / proposal.num_draft_forwards)
+        for inp in inputs:
+            req = self.scheduler.requests[inp.request_id]
+            req.spec_token_ids = proposal.draft_ids.get(inp.request_id, [])
+            req.num_draft_seen = proposal.num_seen.get(inp.request_id, req.num_draft_seen)
+            if proposal.draft_probs is not None and inp.request_id in proposal.draft_probs:
+                self._draft_probs[inp.request_id] = proposal.draft_probs[inp.request_id]
 
     def _record_step(self, sched, duration_ns: int, preemptions: int, new_tokens: int) -> None:
         running = self.scheduler.running
@@ -207,7 +295,9 @@ class LLMEngine:
         if req.timeline is None:
             return None
         rm = RequestMetrics.from_timeline(req.request_id, req.timeline, req.num_prompt_tokens,
-                                          req.num_cached_tokens, req.finish_reason)
+                                          req.num_cached_tokens, req.finish_reason,
+                                          (req.spec_num_drafts, req.spec_num_draft_tokens,
+                                           req.spec_num_accepted_tokens))
         self.finished_metrics.append(rm)
         if self.prometheus is not None:
             self.prometheus.observe_finished(rm)

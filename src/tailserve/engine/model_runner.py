@@ -16,6 +16,7 @@ from tailserve.model.attention import build_attention_metadata
 from tailserve.model.config import ModelArchConfig
 from tailserve.model.llama import LlamaFamilyModel
 from tailserve.sampling_params import SamplingParams
+from tailserve.spec.rejection_sampler import RejectionSampler
 
 
 class ModelRunner:
@@ -27,7 +28,12 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(arch.vocab_size, device, seed)
+        self.rejection_sampler = RejectionSampler(self.sampler.generator)
         self._generators: dict[str, torch.Generator] = {}
+        self.last_forward_s = 0.0  # time of the last model forward (for the speculation cost model)
+
+    def generator_for(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
+        return self._generator(request_id, params)
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
         if params.seed is None or params.greedy:
@@ -44,13 +50,20 @@ class ModelRunner:
             self._generators.pop(rid, None)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, params: dict[str, SamplingParams]) -> ModelRunnerOutput:
+    def execute(self, sched: SchedulerOutput, params: dict[str, SamplingParams],
+                draft_probs: dict[str, torch.Tensor] | None = None) -> ModelRunnerOutput:
+        """Run one step. Requests with draft tokens are verified: their last k+1 positions
+        are sampled through the rejection sampler (``draft_probs`` None = one-hot drafts)."""
+        import time
+
         self.forget(sched.finished_ids)
         input_ids: list[int] = []
         query_lens, context_lens, tables = [], [], []
         positions: list[int] = []
         sample_rows: list[int] = []
         sample_ids: list[str] = []
+        spec = any(s.num_draft_tokens for s in sched.scheduled)
+        num_drafts: list[int] = []
         for seq in sched.scheduled:
             n = len(seq.token_ids)
             input_ids.extend(seq.token_ids)
@@ -59,32 +72,52 @@ class ModelRunner:
             context_lens.append(seq.start_pos + n)
             tables.append(seq.block_ids)
             if seq.sample:
-                sample_rows.append(len(input_ids) - 1)
+                k = seq.num_draft_tokens
+                sample_rows.extend(range(len(input_ids) - 1 - k, len(input_ids)))
                 sample_ids.append(seq.request_id)
+                num_drafts.append(k)
         if not input_ids:
             return ModelRunnerOutput()
         meta = build_attention_metadata(query_lens, context_lens, tables, self.block_size,
                                         self.arch.sliding_window, self.device)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        t0 = time.perf_counter()
         hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
         if not sample_rows:
+            self.last_forward_s = time.perf_counter() - t0
             return ModelRunnerOutput()
         if len(sample_rows) < len(input_ids):
             hidden = hidden[torch.tensor(sample_rows, device=self.device)]
-        logits = self.model.compute_logits(hidden)  # (N, V) float32
+        logits = self.model.compute_logits(hidden)  # (rows, V) float32
+        self.last_forward_s = time.perf_counter() - t0
         plist = [params[rid] for rid in sample_ids]
         st = SamplingTensors.from_params(plist, self.arch.vocab_size, self.device)
         gens = [self._generator(rid, p) for rid, p in zip(sample_ids, plist)]
-        tokens = self.sampler.sample(logits, st, gens)
         out = ModelRunnerOutput()
-        token_list = tokens.tolist()
-        for rid, tok in zip(sample_ids, token_list):
-            out.sampled_token_ids[rid] = [tok]
+        if not spec:
+            tokens = self.sampler.sample(logits, st, gens)
+            emitted = [[t] for t in tokens.tolist()]
+            rows_of = [[i] for i in range(len(sample_ids))]
+        else:
+            seqs = {s.request_id: s for s in sched.scheduled}
+            drafts = [seqs[rid].token_ids[len(seqs[rid].token_ids) - k:] if k else []
+                      for rid, k in zip(sample_ids, num_drafts)]
+            probs = None
+            if draft_probs is not None:
+                probs = [draft_probs[rid][:k] if k and rid in draft_probs else None
+                         for rid, k in zip(sample_ids, num_drafts)]
+            emitted = self.rejection_sampler(logits, num_drafts, drafts, probs, st, gens)
+            starts = [0]
+            for k in num_drafts:
+                starts.append(starts[-1] + k + 1)
+            rows_of = [list(range(s, s + len(e))) for s, e in zip(starts, emitted)]
+        for rid, toks in zip(sample_ids, emitted):
+            out.sampled_token_ids[rid] = toks
         want = [p.logprobs for p in plist]
         if any(k is not None for k in want):
-            lps = Sampler.logprobs(logits, tokens, [k or 0 for k in want])
-            for rid, k, lp in zip(sample_ids, want, lps):
+            for rid, k, rows, toks in zip(sample_ids, want, rows_of, emitted):
                 if k is not None:
-                    out.logprobs[rid] = [lp]
+                    sel = logits[torch.tensor(rows, device=self.device)]
+                    out.logprobs[rid] = Sampler.logprobs(sel, torch.tensor(toks, device=self.device), [k] * len(toks))
         return out

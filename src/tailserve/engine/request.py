@@ -44,6 +44,12 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     timeline: RequestTimeline | None = None  # None when the engine records no metrics
+    # Speculative decoding: drafts proposed at the end of the last step, to verify next.
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_seen: int = 0  # tokens whose K/V the draft model holds
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

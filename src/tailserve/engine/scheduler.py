@@ -38,6 +38,7 @@ class ScheduledSeq:
     block_ids: list[int]
     sample: bool
     is_prefill: bool
+    num_draft_tokens: int = 0  # the last this-many token_ids are drafts to verify
 
 
 @dataclass
@@ -69,6 +70,8 @@ class RequestUpdate:
     new_token_ids: list[int]
     new_logprobs: list[dict[int, float]] | None
     finished: bool
+    num_draft_tokens: int = 0
+    num_accepted: int = 0
 
 
 class Scheduler:
@@ -132,9 +135,15 @@ class Scheduler:
             req.block_ids.extend(self.pool.allocate(need))
         return True
 
+    def reserve(self, req: Request, num_tokens: int) -> bool:
+        """Make req's blocks cover num_tokens positions now (for draft look-ahead)."""
+        return self._try_allocate(req, num_tokens - req.num_computed_tokens)
+
     def _preempt(self, req: Request, now_ns: int) -> None:
         self.pool.free(req.block_ids)
         req.block_ids = []
+        req.spec_token_ids = []
+        req.num_draft_seen = 0
         req.num_registered_blocks = 0
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
@@ -153,7 +162,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids), budget)
             preempted_self = False
             while not self._try_allocate(req, num_new):
                 victim = self.running.pop()
@@ -186,6 +195,7 @@ class Scheduler:
                 self.pool.touch(hits)
                 req.block_ids = list(hits)
                 req.num_computed_tokens = num_computed
+                req.num_draft_seen = num_computed  # cached blocks hold the draft's K/V too
                 req.num_registered_blocks = len(hits)
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_computed
@@ -210,14 +220,18 @@ class Scheduler:
 
     def _scheduled_seq(self, req: Request, num_new: int) -> ScheduledSeq:
         start = req.num_computed_tokens
-        end = start + num_new
+        n_real = min(num_new, req.num_tokens - start)
+        end = start + n_real
+        drafts = req.spec_token_ids[: num_new - n_real]
+        req.spec_token_ids = []  # consumed: verified this step, or dropped for lack of budget
         return ScheduledSeq(
             request_id=req.request_id,
-            token_ids=req.all_token_ids[start:end],
+            token_ids=req.all_token_ids[start:end] + drafts,
             start_pos=start,
             block_ids=req.block_ids,
             sample=end == req.num_tokens,
-            is_prefill=end <= req.num_prompt_tokens or num_new > 1,
+            is_prefill=end <= req.num_prompt_tokens or (n_real > 1),
+            num_draft_tokens=len(drafts),
         )
 
     # -- results ---------------------------------------------------------------------------
@@ -229,11 +243,20 @@ class Scheduler:
             req = self.requests.get(seq.request_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # finished (aborted) while the step ran
-            req.num_computed_tokens += len(seq.token_ids)
-            self._register_full_blocks(req)
             if not seq.sample:
+                req.num_computed_tokens += len(seq.token_ids)
+                self._register_full_blocks(req)
                 continue
             new_ids = result.sampled_token_ids.get(req.request_id, [])
+            k = seq.num_draft_tokens
+            num_acc = max(len(new_ids) - 1, 0) if k else 0
+            # Roll back the rejected drafts: their K/V slots hold garbage and are simply
+            # overwritten later; only accepted tokens count as computed (and get cached).
+            req.num_computed_tokens += len(seq.token_ids) - (k - num_acc)
+            if k:
+                req.spec_num_drafts += 1
+                req.spec_num_draft_tokens += k
+                req.spec_num_accepted_tokens += num_acc
             accepted: list[int] = []
             finished = False
             for tok in new_ids:
@@ -241,12 +264,15 @@ class Scheduler:
                 if req.append_output(tok):
                     finished = True
                     break
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
+            self._register_full_blocks(req)
             if req.timeline is not None:
                 req.timeline.on_tokens(now_ns, len(accepted))
                 if finished:
                     req.timeline.finished_ns = now_ns
             lps = result.logprobs.get(req.request_id)
-            updates.append(RequestUpdate(req, accepted, lps[: len(accepted)] if lps else None, finished))
+            updates.append(RequestUpdate(req, accepted, lps[: len(accepted)] if lps else None, finished,
+                                         k, num_acc))
             if finished:
                 self.running.remove(req)
                 self._release(req)

@@ -71,6 +71,15 @@ class PrometheusMetrics:
                                    "Live tokens / token slots of allocated KV blocks (0-1).", lab, registry=r)
         self.kv_blocks_total = Gauge("tailserve:kv_cache_blocks_total", "KV-cache blocks in the pool.", lab,
                                      registry=r)
+        self.spec_drafts = Counter("tailserve:spec_decode_num_drafts", "Verification rounds with drafts.", lab,
+                                   registry=r)
+        self.spec_draft_tokens = Counter("tailserve:spec_decode_num_draft_tokens", "Draft tokens proposed.", lab,
+                                         registry=r)
+        self.spec_accepted = Counter("tailserve:spec_decode_num_accepted_tokens", "Draft tokens accepted.", lab,
+                                     registry=r)
+        self.spec_accepted_pos = Counter("tailserve:spec_decode_num_accepted_tokens_per_pos",
+                                         "Draft tokens accepted, by position in the draft.",
+                                         ["model_name", "position"], registry=r)
         self.model_name = model_name
         self._last_queries = 0
         self._last_hits = 0
@@ -91,6 +100,14 @@ class PrometheusMetrics:
         if prefix_hits_total > self._last_hits:
             self.prefix_hits.labels(m).inc(prefix_hits_total - self._last_hits)
             self._last_hits = prefix_hits_total
+
+    def observe_spec(self, num_draft_tokens: int, num_accepted: int) -> None:
+        m = self.model_name
+        self.spec_drafts.labels(m).inc()
+        self.spec_draft_tokens.labels(m).inc(num_draft_tokens)
+        self.spec_accepted.labels(m).inc(num_accepted)
+        for pos in range(num_accepted):
+            self.spec_accepted_pos.labels(m, str(pos)).inc()
 
     def observe_tokens(self, n: int) -> None:
         self.generation_tokens.labels(self.model_name).inc(n)

@@ -64,10 +64,22 @@ class RequestMetrics:
     # Optional client-side view (set by the load generator), for network attribution.
     client_ttft_s: float | None = None
     client_e2el_s: float | None = None
+    # Speculative decoding (zero when off).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else None
+
+    @property
+    def spec_mean_acceptance_length(self) -> float | None:
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else None
 
     @classmethod
     def from_timeline(cls, request_id: str, tl: RequestTimeline, num_prompt_tokens: int, num_cached_tokens: int,
-                      finish_reason: str | None) -> RequestMetrics:
+                      finish_reason: str | None, spec: tuple[int, int, int] = (0, 0, 0)) -> RequestMetrics:
         arrival = tl.arrival_ns
         sched = tl.first_scheduled_ns if tl.first_scheduled_ns is not None else arrival
         first = tl.first_token_ns
@@ -93,6 +105,9 @@ class RequestMetrics:
             num_preemptions=len(tl.preempted_ns),
             preempted_s=preempted * _NS,
             finish_reason=finish_reason,
+            spec_num_drafts=spec[0],
+            spec_num_draft_tokens=spec[1],
+            spec_num_accepted_tokens=spec[2],
         )
 
     def as_dict(self) -> dict[str, object]:

@@ -1,0 +1,1 @@
+"""Lossless speculative decoding: proposers, the rejection sampler, adaptive k, statistics."""

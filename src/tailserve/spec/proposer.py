@@ -1,0 +1,159 @@
+"""Draft proposers: a small draft model with its own paged KV cache, or n-gram prompt lookup.
+
+Both implement ``propose(inputs) -> Proposal``. The engine calls it at the end of a step for
+every running request: each input carries the tokens the proposer has not seen yet (so a
+draft model catches up on what was accepted last round, or on a prefill chunk) and how many
+drafts to make (``k``, 0 = catch up only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tailserve.engine.sampler import SamplingTensors, exponential_noise, filtered_probs
+from tailserve.model.attention import build_attention_metadata
+from tailserve.model.config import ModelArchConfig
+from tailserve.model.llama import LlamaFamilyModel
+from tailserve.sampling_params import SamplingParams
+
+
+@dataclass
+class ProposalInput:
+    request_id: str
+    all_token_ids: list[int]  # the request's whole sequence so far (prompt + outputs)
+    num_seen: int  # tokens whose K/V the proposer already holds (draft model)
+    num_valid: int  # tokens it may consume now (num_tokens, or num_computed mid-prefill)
+    block_ids: list[int]
+    k: int
+    params: SamplingParams
+    generator: torch.Generator | None
+
+
+@dataclass
+class Proposal:
+    draft_ids: dict[str, list[int]]
+    draft_probs: dict[str, torch.Tensor] | None  # (k, V) per request; None = one-hot (n-gram)
+    num_seen: dict[str, int]  # tokens whose K/V the proposer now holds, per request
+    draft_forward_s: float = 0.0  # time in draft forward passes, for the cost model
+    num_draft_forwards: int = 0
+
+
+class NgramProposer:
+    """Prompt lookup: find the most recent earlier occurrence of the context's last n tokens
+    (n from ngram_max down to ngram_min) and propose what followed it."""
+
+    def __init__(self, ngram_min: int, ngram_max: int) -> None:
+        if not 1 <= ngram_min <= ngram_max:
+            raise ValueError("need 1 <= ngram_min <= ngram_max")
+        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+
+    def propose_one(self, tokens: list[int], k: int) -> list[int]:
+        if k <= 0:
+            return []
+        arr = np.asarray(tokens, dtype=np.int64)
+        n_tok = len(arr)
+        for n in range(min(self.ngram_max, n_tok - 1), self.ngram_min - 1, -1):
+            suffix = arr[n_tok - n :]
+            windows = np.lib.stride_tricks.sliding_window_view(arr[: n_tok - 1], n)  # starts 0 .. n_tok-1-n
+            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            hits = hits[hits < n_tok - n]  # an earlier occurrence, not the suffix itself
+            if hits.size:
+                start = int(hits[-1]) + n
+                cont = tokens[start : start + k]
+                if cont:
+                    return cont
+        return []
+
+    def propose(self, inputs: list[ProposalInput]) -> Proposal:
+        drafts = {i.request_id: self.propose_one(i.all_token_ids[: i.num_valid], i.k) for i in inputs}
+        return Proposal(drafts, None, {i.request_id: i.num_valid for i in inputs})
+
+
+class DraftModelProposer:
+    """A small model of the same vocabulary proposes k tokens autoregressively.
+
+    Its KV cache has the same block layout as the target's and is indexed by the same block
+    ids, so it needs no allocator of its own: a request's blocks hold both models' K/V.
+    The first forward of a round is the catch-up (what was accepted last round, or a prefill
+    chunk, for every request at once); then k-1 single-token forwards for the requests that
+    draft. q is the draft's distribution after the request's own sampling filters, which
+    is what the rejection sampler needs for losslessness.
+    """
+
+    def __init__(self, model: LlamaFamilyModel, arch: ModelArchConfig, kv_caches: list[torch.Tensor],
+                 block_size: int, device: torch.device, generator: torch.Generator) -> None:
+        self.model, self.arch, self.kv_caches = model, arch, kv_caches
+        self.block_size, self.device, self.generator = block_size, device, generator
+
+    @torch.inference_mode()
+    def propose(self, inputs: list[ProposalInput]) -> Proposal:
+        import time
+
+        t0 = time.perf_counter()
+        seen = {i.request_id: i.num_seen for i in inputs}
+        drafts: dict[str, list[int]] = {i.request_id: [] for i in inputs}
+        probs: dict[str, list[torch.Tensor]] = {i.request_id: [] for i in inputs}
+        catch_up = [i for i in inputs if i.num_valid > i.num_seen]
+        forwards = 0
+        if not catch_up:
+            return Proposal(drafts, {}, seen)
+        # 1. Catch-up forward: every request's unseen tokens; sample the first draft of the
+        #    requests whose sequence ends here (num_valid == all tokens) and that want k >= 1.
+        logits = self._forward(
+            [i.all_token_ids[i.num_seen : i.num_valid] for i in catch_up],
+            [i.num_seen for i in catch_up], [i.block_ids for i in catch_up],
+            sample_last=[i.k > 0 and i.num_valid == len(i.all_token_ids) for i in catch_up])
+        forwards += 1
+        for i in catch_up:
+            seen[i.request_id] = i.num_valid
+        active = [i for i in catch_up if i.k > 0 and i.num_valid == len(i.all_token_ids)]
+        self._sample_into(active, logits, drafts, probs)
+        # 2. k-1 more single-token forwards for the requests still drafting.
+        step = 1
+        while True:
+            active = [i for i in active if i.k > step]
+            if not active:
+                break
+            logits = self._forward([[drafts[i.request_id][-1]] for i in active],
+                                   [len(i.all_token_ids) + step - 1 for i in active],
+                                   [i.block_ids for i in active], sample_last=[True] * len(active))
+            forwards += 1
+            self._sample_into(active, logits, drafts, probs)
+            step += 1
+        # The chain wrote K/V for drafts 1..k-1; they become "seen" only once accepted, which
+        # the engine reports back through num_seen on the next round.
+        out_probs = {rid: torch.stack(ps) for rid, ps in probs.items() if ps}
+        return Proposal(drafts, out_probs, seen, time.perf_counter() - t0, forwards)
+
+    def _forward(self, token_lists: list[list[int]], starts: list[int], tables: list[list[int]],
+                 sample_last: list[bool]) -> torch.Tensor | None:
+        ids, pos, qlens, ctx, rows = [], [], [], [], []
+        for toks, start, want in zip(token_lists, starts, sample_last):
+            ids.extend(toks)
+            pos.extend(range(start, start + len(toks)))
+            qlens.append(len(toks))
+            ctx.append(start + len(toks))
+            if want:
+                rows.append(len(ids) - 1)
+        meta = build_attention_metadata(qlens, ctx, tables, self.block_size, self.arch.sliding_window, self.device)
+        hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device),
+                            self.kv_caches, meta)
+        if not rows:
+            return None
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+
+    def _sample_into(self, active: list[ProposalInput], logits: torch.Tensor | None,
+                     drafts: dict[str, list[int]], probs: dict[str, list[torch.Tensor]]) -> None:
+        if not active or logits is None:
+            return
+        st = SamplingTensors.from_params([i.params for i in active], logits.shape[-1], self.device)
+        q = filtered_probs(logits, st)  # (N, V)
+        greedy_tok = logits.argmax(-1)
+        noise = exponential_noise(tuple(q.shape), [i.generator for i in active], self.generator, self.device)
+        tokens = torch.where(st.greedy, greedy_tok, (q / noise).argmax(-1)).tolist()
+        for row, (i, tok) in enumerate(zip(active, tokens)):
+            drafts[i.request_id].append(tok)
+            probs[i.request_id].append(q[row])
