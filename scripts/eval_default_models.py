@@ -64,7 +64,7 @@ def main() -> None:
     texts = held_out_texts()
     ids: list[int] = []
     for _, text in texts:
-        ids += tok.encode(text) + [tok.eos_token_id or 1]
+        ids += [*tok.encode(text), tok.eos_token_id or 1]
     g = torch.Generator().manual_seed(0)
     starts = torch.randint(0, len(ids) - WINDOW - 1, (args.windows,), generator=g).tolist()
     t_loss = d_loss = agree = count = 0.0

@@ -254,6 +254,8 @@ class LLMEngine:
             if not is_draft_model and kk <= 0:
                 continue
             valid = req.num_tokens if in_decode else req.num_computed_tokens
+            # The draft can only write K/V into slots the request already owns.
+            valid = min(valid, len(req.block_ids) * self.config.block_size)
             if req.spec_token_ids:
                 continue  # drafts from an earlier step still wait for verification
             inputs.append(ProposalInput(req.request_id, req.all_token_ids, req.num_draft_seen, valid,

@@ -122,7 +122,7 @@ class RejectionSampler:
             num_acc, final = rejection_sample_probs(target_probs, q, ids, nd, st.greedy, argmax, uniform, noise)
         out = []
         for i, (m, f) in enumerate(zip(num_acc.tolist(), final.tolist())):
-            out.append(draft_ids[i][:m] + [f])
+            out.append([*draft_ids[i][:m], f])
         return out
 
 

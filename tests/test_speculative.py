@@ -1,0 +1,155 @@
+"""Speculative decoding end to end: lossless greedy and sampled outputs, bookkeeping, metrics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import build_hf_model, save_checkpoint
+from tailserve import LLM, SamplingParams
+from test_rejection_sampler import chi2_pvalue
+
+MAX_NEW = 20
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(11)
+    shared = torch.randint(2, 300, (36,), generator=g).tolist()
+    out = [torch.randint(2, 300, (n,), generator=g).tolist() for n in (4, 23, 41)]
+    out.append([5, 6, 7, 8, 9] * 6)  # repetitive: n-gram lookup finds matches
+    out += [shared + torch.randint(2, 300, (n,), generator=g).tolist() for n in (3, 19)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def draft_checkpoint(tmp_path_factory):
+    # The target's weights plus noise: a draft that agrees often but not always, so both
+    # acceptance and rejection (with KV rollback) are exercised.
+    hf = build_hf_model("llama")
+    g = torch.Generator().manual_seed(99)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * p.std() * 0.15)
+    return save_checkpoint(hf, tmp_path_factory.mktemp("noisy_draft"))
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(llama_checkpoint):
+    path, _ = llama_checkpoint
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=4 << 20)
+    return [o.token_ids for o in llm.generate(_prompts(), GREEDY)]
+
+
+SPEC = {
+    "draft_k3": lambda d: dict(speculative_model=d, num_speculative_tokens=3),
+    "draft_adaptive": lambda d: dict(speculative_model=d),
+    "ngram_k4": lambda d: dict(speculative_method="ngram", num_speculative_tokens=4, ngram_max=3),
+}
+MODES = {
+    "plain": dict(enable_prefix_caching=False),
+    "chunked_prefix": dict(max_num_batched_tokens=16, enable_prefix_caching=True),
+    # 14 blocks of 16 tokens (both caches' bytes): requests must be preempted.
+    "preemption": dict(kv_cache_memory_bytes=14 * 16 * 2 * 2 * 2 * 16 * 4 * 2),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("spec", sorted(SPEC))
+def test_greedy_with_speculation_equals_without(llama_checkpoint, draft_checkpoint, greedy_reference, spec, mode):
+    path, _ = llama_checkpoint
+    kw = dict(dtype="float32", kv_cache_memory_bytes=4 << 20)
+    kw.update(MODES[mode])
+    kw.update(SPEC[spec](str(draft_checkpoint)))
+    if mode == "preemption" and spec.startswith("ngram"):
+        kw["kv_cache_memory_bytes"] //= 2  # no draft cache shares the budget
+    llm = LLM(str(path), **kw)
+    if mode == "chunked_prefix":
+        llm.generate([_prompts()[4]], GREEDY)  # warm the prefix cache
+    outs = llm.generate(_prompts(), GREEDY)
+    assert [o.token_ids for o in outs] == greedy_reference
+    stats = llm.engine.spec_stats
+    assert stats.num_draft_tokens > 0 and 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
+    if mode == "preemption":
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.block_pool.num_used_blocks == 0
+    assert sum(o.metrics.spec_num_draft_tokens for o in outs) <= stats.num_draft_tokens
+
+
+def test_target_as_its_own_draft_accepts_everything(llama_checkpoint):
+    path, _ = llama_checkpoint
+    k = 4
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=4 << 20, speculative_model=str(path),
+              num_speculative_tokens=k)
+    # 1 token from the prefill, then rounds of exactly k+1 tokens.
+    outs = llm.generate(_prompts()[:3], SamplingParams(temperature=0, max_tokens=1 + 6 * (k + 1), ignore_eos=True))
+    s = llm.engine.spec_stats
+    assert s.acceptance_rate == 1.0
+    assert s.mean_acceptance_length == k + 1
+    for o in outs:
+        assert o.metrics.spec_acceptance_rate == 1.0 and o.metrics.spec_mean_acceptance_length == k + 1
+    text = llm.engine.prometheus.exposition().decode()
+    line = f'tailserve:spec_decode_num_accepted_tokens_total{{model_name="{path.name}"}} {float(s.num_accepted_tokens)}'
+    assert line in text
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(llama_checkpoint, draft_checkpoint):
+    path, _ = llama_checkpoint
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=15, ignore_eos=True)
+    runs = []
+    for extra in ([], [[9, 9, 9], [1, 2, 3, 4]]):
+        llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=4 << 20, speculative_model=str(draft_checkpoint),
+                  num_speculative_tokens=3)
+        others = [SamplingParams(temperature=1.0, max_tokens=9)] * len(extra)
+        outs = llm.generate([[5, 6, 7], *extra], [params, *others])
+        runs.append(outs[0].token_ids)
+    assert runs[0] == runs[1]
+
+
+def _tiny_vocab_model(tmp_path, name, seed):
+    hf = build_hf_model("llama", seed=seed, vocab_size=8, hidden_size=32, intermediate_size=64)
+    with torch.no_grad():  # sharper but not degenerate distributions
+        hf.lm_head.weight.mul_(0.5)
+    return save_checkpoint(hf, tmp_path / name), hf
+
+
+@pytest.mark.slow
+def test_sampled_tokens_match_exact_target_distribution(tmp_path):
+    """Temperature 1, top_p 0.9: the first three generated tokens (the second and third come
+    from draft proposals verified by rejection sampling) follow the target's own
+    probabilities, computed exactly from its logits."""
+    from tailserve.engine.sampler import SamplingTensors, filtered_probs
+
+    target_path, target = _tiny_vocab_model(tmp_path, "target", seed=0)
+    draft_path, _ = _tiny_vocab_model(tmp_path, "draft", seed=1)
+    prompt = [3, 1, 4]
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=3, ignore_eos=True)
+    st = SamplingTensors.from_params([params], 8, torch.device("cpu"))
+
+    def probs(prefix):
+        with torch.inference_mode():
+            logits = target(torch.tensor([prompt + prefix])).logits[0, -1:].float()
+        return filtered_probs(logits, st)[0].double()
+
+    p0 = probs([])
+    exact = torch.zeros(8, 8, 8, dtype=torch.float64)
+    for a in range(8):
+        if p0[a] == 0:
+            continue
+        p1 = probs([a])
+        for b in range(8):
+            if p1[b] > 0:
+                exact[a, b] = p0[a] * p1[b] * probs([a, b])
+
+    llm = LLM(str(target_path), dtype="float32", kv_cache_memory_bytes=64 << 20, max_num_seqs=512,
+              max_num_batched_tokens=4096, speculative_model=str(draft_path), num_speculative_tokens=2, seed=123,
+              enable_prefix_caching=False)
+    n = 24_000
+    counts = torch.zeros(512, dtype=torch.float64)
+    for _ in range(n // 2000):
+        for out in llm.generate([prompt] * 2000, params):
+            a, b, c = out.token_ids
+            counts[a * 64 + b * 8 + c] += 1
+    assert llm.engine.spec_stats.num_draft_tokens > 0
+    assert 0 < llm.engine.spec_stats.acceptance_rate < 1
+    assert chi2_pvalue(counts, exact.reshape(-1)) > 1e-3
