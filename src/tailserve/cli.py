@@ -30,6 +30,17 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-cpu-onednn", dest="cpu_onednn", action="store_false",
+                   help="use PyTorch's plain linear kernels on the CPU instead of oneDNN-packed weights")
+    s = p.add_argument_group("speculative decoding")
+    s.add_argument("--speculative-model", default=None,
+                   help="draft checkpoint folder, or 'builtin' for the built-in draft model")
+    s.add_argument("--speculative-method", default=None, choices=["draft_model", "ngram"])
+    s.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="fixed number of draft tokens per step (default: adaptive)")
+    s.add_argument("--speculative-max-tokens", type=int, default=6, help="upper bound for adaptive k")
+    s.add_argument("--ngram-min", type=int, default=1)
+    s.add_argument("--ngram-max", type=int, default=4)
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
@@ -38,7 +49,10 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         kv_cache_memory_bytes=parse_bytes(args.kv_cache_memory), max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
-        seed=args.seed,
+        seed=args.seed, cpu_onednn=args.cpu_onednn,
+        speculative_model=args.speculative_model, speculative_method=args.speculative_method,
+        num_speculative_tokens=args.num_speculative_tokens, speculative_max_tokens=args.speculative_max_tokens,
+        ngram_min=args.ngram_min, ngram_max=args.ngram_max,
     )
 
 
@@ -68,6 +82,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             print(render_table(summarize(metrics, duration_s=elapsed)), file=sys.stderr, end="")
         print(f"--- {len(outputs)} requests, {n_in} prompt tokens, {n_out} output tokens in {elapsed:.3f} s "
               f"({n_out / elapsed:.1f} output tok/s)", file=sys.stderr)
+        spec = llm.engine.spec_stats
+        if spec.num_drafts:
+            print(f"--- speculative decoding: {spec.num_draft_tokens} draft tokens, acceptance rate "
+                  f"{spec.acceptance_rate:.3f}, mean acceptance length {spec.mean_acceptance_length:.2f}",
+                  file=sys.stderr)
     return 0
 
 
