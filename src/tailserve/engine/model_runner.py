@@ -92,14 +92,20 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)  # (rows, V) float32
         self.last_forward_s = time.perf_counter() - t0
         plist = [params[rid] for rid in sample_ids]
-        st = SamplingTensors.from_params(plist, self.arch.vocab_size, self.device)
-        gens = [self._generator(rid, p) for rid, p in zip(sample_ids, plist)]
         out = ModelRunnerOutput()
-        if not spec:
+        if not spec and all(p.greedy for p in plist):
+            tokens = logits.argmax(dim=-1)  # the common all-greedy case: nothing to prepare
+            emitted = [[t] for t in tokens.tolist()]
+            rows_of = [[i] for i in range(len(sample_ids))]
+        elif not spec:
+            st = SamplingTensors.from_params(plist, self.arch.vocab_size, self.device)
+            gens = [self._generator(rid, p) for rid, p in zip(sample_ids, plist)]
             tokens = self.sampler.sample(logits, st, gens)
             emitted = [[t] for t in tokens.tolist()]
             rows_of = [[i] for i in range(len(sample_ids))]
         else:
+            st = SamplingTensors.from_params(plist, self.arch.vocab_size, self.device)
+            gens = [self._generator(rid, p) for rid, p in zip(sample_ids, plist)]
             seqs = {s.request_id: s for s in sched.scheduled}
             drafts = [seqs[rid].token_ids[len(seqs[rid].token_ids) - k:] if k else []
                       for rid, k in zip(sample_ids, num_drafts)]

@@ -70,46 +70,53 @@ def build_attention_metadata(
 
 def _build_group(ids, query_lens, context_lens, block_tables, block_size, starts, num_tokens,
                  sliding_window, device) -> AttentionGroup:
+    # Built from Python lists with one tensor constructor per array: per-row tensor ops
+    # would cost more than the attention itself for a batch of decodes.
     b = len(ids)
     max_q = max(query_lens[i] for i in ids)
     max_ctx = max(context_lens[i] for i in ids)
     max_blocks = (max_ctx + block_size - 1) // block_size
-    tables = torch.zeros((b, max_blocks), dtype=torch.long)
-    q_index = torch.zeros((b, max_q), dtype=torch.long)
-    q_pos = torch.zeros((b, max_q), dtype=torch.long)
-    valid = torch.zeros((b, max_q), dtype=torch.bool)
-    for row, i in enumerate(ids):
-        table = block_tables[i]
+    tables_l, q_index_l, q_pos_l = [], [], []
+    all_valid = True
+    for i in ids:
         nb = (context_lens[i] + block_size - 1) // block_size
-        tables[row, :nb] = torch.tensor(table[:nb], dtype=torch.long)
-        qlen, ctx = query_lens[i], context_lens[i]
-        q_index[row, :qlen] = torch.arange(starts[i], starts[i] + qlen)
-        q_pos[row, :qlen] = torch.arange(ctx - qlen, ctx)
-        valid[row, :qlen] = True
+        table = block_tables[i][:nb]
+        tables_l.append(table + [0] * (max_blocks - nb))
+        qlen, ctx, st = query_lens[i], context_lens[i], starts[i]
+        pad = max_q - qlen
+        all_valid &= pad == 0
+        q_index_l.extend(range(st, st + qlen))
+        q_pos_l.extend(range(ctx - qlen, ctx))
+        if pad:
+            q_index_l.extend([0] * pad)
+            q_pos_l.extend([0] * pad)
+    tables = torch.tensor(tables_l, dtype=torch.long)
     offsets = torch.arange(block_size, dtype=torch.long)
     kv_slots = (tables[:, :, None] * block_size + offsets).reshape(b, -1)[:, :max_ctx].contiguous()
-    kv_pos = torch.arange(max_ctx, dtype=torch.long)
-    all_valid = bool(valid.all())
     uniform_ctx = all(context_lens[i] == max_ctx for i in ids)
     if max_q == 1 and uniform_ctx and sliding_window is None:
         mask = None  # every query sees its whole context
     else:
         # Causal within the chunk and bounded by each row's own context; padded query rows
         # sit at position 0 so they see slot 0 and never produce an all-masked row (NaN).
+        q_pos = torch.tensor(q_pos_l, dtype=torch.long).view(b, max_q)
+        kv_pos = torch.arange(max_ctx, dtype=torch.long)
         m = kv_pos[None, None, :] <= q_pos[:, :, None]
         if sliding_window is not None:
             m &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-        mask = m.unsqueeze(1)
-    flat_q = q_index.reshape(-1)
-    covers = all_valid and flat_q.numel() == num_tokens and bool(
-        torch.equal(flat_q, torch.arange(num_tokens)))
+        mask = m.unsqueeze(1).to(device)
+    covers = all_valid and len(q_index_l) == num_tokens and q_index_l == list(range(num_tokens))
+    valid = None
+    if not all_valid:
+        flags = [j < query_lens[i] for i in ids for j in range(max_q)]
+        valid = torch.tensor([r for r, f in enumerate(flags) if f], dtype=torch.long, device=device)
     return AttentionGroup(
-        q_index=flat_q.to(device),
+        q_index=torch.tensor(q_index_l, dtype=torch.long, device=device),
         kv_slots=kv_slots.to(device),
-        mask=None if mask is None else mask.to(device),
+        mask=mask,
         num_seqs=b,
         max_query_len=max_q,
-        valid=None if all_valid else valid.reshape(-1).nonzero().squeeze(1).to(device),
+        valid=valid,
         covers_batch=covers,
     )
 
