@@ -149,6 +149,11 @@ class DraftModelProposer:
                      drafts: dict[str, list[int]], probs: dict[str, list[torch.Tensor]]) -> None:
         if not active or logits is None:
             return
+        if all(i.params.greedy for i in active):
+            # Greedy verification compares tokens only; q is not needed.
+            for i, tok in zip(active, logits.argmax(-1).tolist()):
+                drafts[i.request_id].append(tok)
+            return
         st = SamplingTensors.from_params([i.params for i in active], logits.shape[-1], self.device)
         q = filtered_probs(logits, st)  # (N, V)
         greedy_tok = logits.argmax(-1)
