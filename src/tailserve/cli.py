@@ -90,6 +90,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from tailserve.config import EngineConfig
+    from tailserve.engine.llm_engine import LLMEngine
+    from tailserve.server.run import run_server
+
+    kw = _engine_kwargs(args)
+    engine = LLMEngine(EngineConfig(model=args.model or "builtin", served_model_name=args.served_model_name,
+                                    enable_metrics=not args.disable_metrics, **kw))  # type: ignore[arg-type]
+    run_server(engine, host=args.host, port=args.port, api_key=args.api_key,
+               max_body_bytes=parse_bytes(args.max_request_body), max_waiting_requests=args.max_waiting_requests,
+               access_log=args.access_log)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tailserve", description="LLM inference engine and performance toolkit")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -107,6 +121,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stats", action="store_true", help="print token counts and throughput on stderr")
     _add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
+
+    srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (HTTP/1.1 and h2c)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", default=None, help="name in /v1/models (default: the folder's name)")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    srv.add_argument("--max-waiting-requests", type=int, default=256,
+                     help="beyond this many waiting requests, answer 429 with Retry-After")
+    srv.add_argument("--max-request-body", default="1MiB", help="larger bodies get 413")
+    srv.add_argument("--disable-metrics", action="store_true")
+    srv.add_argument("--access-log", action="store_true")
+    _add_engine_args(srv)
+    srv.set_defaults(func=_cmd_serve)
     return parser
 
 

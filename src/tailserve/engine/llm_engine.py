@@ -39,6 +39,15 @@ from tailserve.spec.stats import SpecDecodeStats
 Prompt = str | list[int]
 
 
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated, tokenized request, ready for ``add_prepared``."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
 @dataclass
 class _RequestState:
     prompt: str | None
@@ -143,7 +152,11 @@ class LLMEngine:
                     request_id: str | None = None, arrival_ns: int | None = None) -> str:
         """Validate and queue a request. ``arrival_ns`` (perf_counter_ns) lets a server stamp
         the moment the request arrived rather than when it reached the engine."""
-        arrival_ns = time.perf_counter_ns() if arrival_ns is None else arrival_ns
+        prepared = self.prepare_request(prompt, params)
+        return self.add_prepared(prepared, request_id, arrival_ns)
+
+    def prepare_request(self, prompt: Prompt, params: SamplingParams | None = None) -> PreparedRequest:
+        """Tokenize and validate without touching engine state (safe from another thread)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling params must be a SamplingParams", "sampling_params")
@@ -162,6 +175,14 @@ class LLMEngine:
             if t >= self.arch.vocab_size:
                 raise InvalidRequestError(f"stop token id {t} is outside the vocabulary ({self.arch.vocab_size})",
                                           "stop_token_ids")
+        if self.tokenizer is None and params.stop:
+            raise InvalidRequestError("stop strings need a tokenizer; this model has none", "stop")
+        return PreparedRequest(text, ids, params)
+
+    def add_prepared(self, prepared: PreparedRequest, request_id: str | None = None,
+                     arrival_ns: int | None = None) -> str:
+        arrival_ns = time.perf_counter_ns() if arrival_ns is None else arrival_ns
+        text, ids, params = prepared.prompt, prepared.prompt_token_ids, prepared.params
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.scheduler.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use", "request_id")
@@ -172,8 +193,6 @@ class LLMEngine:
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop,
                                            params.include_stop_str_in_output)
-        elif params.stop:
-            raise InvalidRequestError("stop strings need a tokenizer; this model has none", "stop")
         self._states[rid] = _RequestState(text, detok, [] if params.logprobs is not None else None)
         self.scheduler.add_request(req)
         return rid

@@ -91,7 +91,6 @@ class PrometheusMetrics:
         self._last_hits = 0
 
     def observe_step(self, s: StepStats, prefix_queries_total: int, prefix_hits_total: int) -> None:
-        m = self.model_name
         self._c["step_time"].observe(s.duration_s)
         self._c["running"].set(s.num_running)
         self._c["waiting"].set(s.num_waiting)

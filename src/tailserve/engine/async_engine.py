@@ -1,0 +1,149 @@
+"""Drives ``LLMEngine`` from a dedicated thread so the server's event loop never blocks.
+
+The engine thread owns the engine: it takes commands (add, abort) from a queue, runs
+``step()`` while there is work, and hands each output to the asyncio queue of the request
+it belongs to (``call_soon_threadsafe``). PyTorch releases the GIL inside its kernels, so
+the event loop keeps accepting and streaming while a step runs. Validation and
+tokenization happen in the caller (``prepare_request`` has no side effects), so bad input
+is rejected before anything is queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from tailserve.engine.llm_engine import LLMEngine, PreparedRequest
+from tailserve.errors import TailserveError
+from tailserve.outputs import RequestOutput
+
+log = logging.getLogger("tailserve.engine")
+
+
+class EngineOverloadedError(TailserveError):
+    """The waiting queue is at its bound; the client should retry later (HTTP 429)."""
+
+
+class EngineRequestError(TailserveError):
+    """The engine failed while serving this request (HTTP 500)."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int = 256) -> None:
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._pending_adds = 0  # queued for the engine thread, not yet in the scheduler
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tailserve-engine", daemon=True)
+        self._thread.start()
+
+    # -- called from the event loop -----------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return self.engine.scheduler.num_waiting + self._pending_adds
+
+    def submit(self, prepared: PreparedRequest, request_id: str, arrival_ns: int) -> _Stream:
+        """Queue a validated request; raises EngineOverloadedError at the waiting bound."""
+        with self._lock:
+            if self.num_waiting >= self.max_waiting_requests:
+                raise EngineOverloadedError(
+                    f"{self.num_waiting} requests are waiting (bound {self.max_waiting_requests}); retry later")
+            if request_id in self._streams:
+                raise EngineRequestError(f"request id {request_id!r} is already in flight")
+            stream = _Stream(asyncio.get_running_loop())
+            self._streams[request_id] = stream
+            self._pending_adds += 1
+        self._commands.put(("add", request_id, prepared, arrival_ns))
+        return stream
+
+    async def outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until it finishes. If the consumer stops early
+        (client gone, task cancelled), the request is aborted and its blocks freed."""
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    stream.finished = True
+                    return
+        finally:
+            if not stream.finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id, None, None))
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._commands.put(("stop", None, None, None))
+        self._thread.join(timeout=10)
+
+    # -- the engine thread ------------------------------------------------------------------
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        if isinstance(item, BaseException) or item.finished:
+            self._streams.pop(request_id, None)
+        # RuntimeError: the event loop is closed, so nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _handle(self, cmd: tuple) -> None:
+        kind, rid, prepared, arrival_ns = cmd
+        if kind == "add":
+            with self._lock:
+                self._pending_adds -= 1
+            try:
+                self.engine.add_prepared(prepared, rid, arrival_ns)
+            except TailserveError as e:
+                self._deliver(rid, e)
+        elif kind == "abort":
+            if rid in self.engine.scheduler.requests:
+                self.engine.abort_request(rid)
+            self._streams.pop(rid, None)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if self.engine.has_unfinished_requests():
+                    cmd = self._commands.get_nowait()
+                else:
+                    cmd = self._commands.get(timeout=0.5)  # idle: sleep until work arrives
+                if cmd[0] != "stop":
+                    self._handle(cmd)
+                continue  # drain every pending command before the next step
+            except queue.Empty:
+                pass
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a bug or a device error: fail the requests in flight, keep serving
+                ids = list(self.engine.scheduler.requests)
+                log.exception("engine step failed; failing %d requests: %s", len(ids), ids)
+                for rid in ids:
+                    self.engine.abort_request(rid)
+                    self._deliver(rid, EngineRequestError(f"internal error while generating: {e}"))
+                time.sleep(0.01)
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)

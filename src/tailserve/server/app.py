@@ -1,0 +1,357 @@
+"""The OpenAI-compatible HTTP application (ASGI, Starlette).
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming),
+GET /v1/models, GET /metrics (Prometheus text), GET /health, GET /version.
+
+Every generation response reports where its server-side time went: a ``Server-Timing``
+header and a ``timing`` object in the body (non-streaming), or ``timing`` in the final
+chunk (streaming). ``X-Request-Id`` is echoed back (taken from the client when it sends
+one). Bad input gets an OpenAI-style error body with status 400 (bad value, malformed
+JSON, non-UTF-8), 422 (wrong type), 413 (body over the limit), 404 (unknown model or path),
+401 (wrong API key) or 429 (waiting queue full, with Retry-After); an engine failure fails
+only the requests it touched (500) and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+import tailserve
+from tailserve.engine.async_engine import AsyncEngine, EngineOverloadedError, EngineRequestError
+from tailserve.engine.llm_engine import LLMEngine
+from tailserve.errors import InvalidRequestError
+from tailserve.metrics.timeline import RequestMetrics
+from tailserve.outputs import RequestOutput
+from tailserve.server.chat import ChatTemplate
+from tailserve.server.protocol import APIError, GenerationRequest, chat_request, completion_request, parse_json_body
+
+log = logging.getLogger("tailserve.server")
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+
+
+def timing_dict(m: RequestMetrics | None) -> dict[str, Any] | None:
+    if m is None:
+        return None
+    d: dict[str, Any] = {
+        "queue_ms": m.queue_s * 1e3, "prefill_ms": m.prefill_s * 1e3, "ttft_ms": m.ttft_s * 1e3,
+        "decode_ms": m.decode_s * 1e3, "e2e_ms": m.e2el_s * 1e3,
+        "tpot_ms": m.tpot_s * 1e3 if m.tpot_s is not None else None,
+        "prompt_tokens": m.num_prompt_tokens, "cached_tokens": m.num_cached_tokens,
+        "output_tokens": m.num_output_tokens, "preemptions": m.num_preemptions,
+    }
+    if m.spec_num_drafts:
+        d["spec"] = {"draft_tokens": m.spec_num_draft_tokens, "accepted_tokens": m.spec_num_accepted_tokens,
+                     "acceptance_rate": m.spec_acceptance_rate,
+                     "mean_acceptance_length": m.spec_mean_acceptance_length}
+    return d
+
+
+def server_timing_header(m: RequestMetrics | None) -> str:
+    if m is None:
+        return ""
+    parts = [("queue", m.queue_s), ("prefill", m.prefill_s), ("ttft", m.ttft_s), ("decode", m.decode_s),
+             ("e2e", m.e2el_s)]
+    return ", ".join(f"{name};dur={sec * 1e3:.3f}" for name, sec in parts)
+
+
+class Server:
+    def __init__(self, engine: LLMEngine, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 max_waiting_requests: int = 256) -> None:
+        self.engine = engine
+        self.async_engine = AsyncEngine(engine, max_waiting_requests)
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.model_name = engine.model_name
+        self.chat = ChatTemplate(engine.tokenizer) if engine.tokenizer is not None else None
+        self.created = int(time.time())
+
+    # -- plumbing ----------------------------------------------------------------------
+    def _check_auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        if request.headers.get("authorization", "") != f"Bearer {self.api_key}":
+            raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
+
+    async def _read_json(self, request: Request) -> dict[str, Any]:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            raise APIError(413, f"request body of {length} bytes exceeds the limit of {self.max_body_bytes}",
+                           code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise APIError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes",
+                               code="request_too_large")
+            chunks.append(chunk)
+        return parse_json_body(b"".join(chunks))
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"model '{model}' does not exist; this server serves '{self.model_name}'", "model",
+                           code="model_not_found")
+
+    def _submit(self, rid: str, prompts: list, greq: GenerationRequest, arrival_ns: int):
+        try:
+            prepared = [self.engine.prepare_request(p, greq.params) for p in prompts]
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), e.param) from None
+        subs = []
+        try:
+            for i, prep in enumerate(prepared):
+                sub_id = rid if len(prepared) == 1 else f"{rid}-{i}"
+                subs.append((sub_id, self.async_engine.submit(prep, sub_id, arrival_ns), prep))
+        except EngineOverloadedError as e:
+            for sub_id, _, _ in subs:
+                self.async_engine.abort(sub_id)
+            raise APIError(429, str(e), code="overloaded", headers={"Retry-After": "1"}) from None
+        return subs
+
+    async def _collect(self, request: Request, subs) -> list[RequestOutput]:
+        async def one(sub_id, stream):
+            last = None
+            async for out in self.async_engine.outputs(sub_id, stream):
+                last = out
+            return last
+
+        tasks = [asyncio.ensure_future(one(sid, st)) for sid, st, _ in subs]
+        watcher = asyncio.ensure_future(self._watch_disconnect(request, tasks))
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            watcher.cancel()
+
+    @staticmethod
+    async def _watch_disconnect(request: Request, tasks) -> None:
+        # A client that hangs up on a non-streaming request cancels its work (which aborts
+        # the engine requests and frees their blocks).
+        while not all(t.done() for t in tasks):
+            if await request.is_disconnected():
+                for t in tasks:
+                    t.cancel()
+                return
+            await asyncio.sleep(0.25)
+
+    def _headers(self, rid: str, m: RequestMetrics | None = None) -> dict[str, str]:
+        h = {"X-Request-Id": rid}
+        st = server_timing_header(m)
+        if st:
+            h["Server-Timing"] = st
+        return h
+
+    # -- endpoints ------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        arrival = time.perf_counter_ns()
+        rid = request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
+        self._check_auth(request)
+        greq = completion_request(await self._read_json(request))
+        self._check_model(greq.model)
+        subs = self._submit(rid, greq.prompts, greq, arrival)
+        if greq.stream:
+            return StreamingResponse(self._stream(rid, subs, greq, chat=False), media_type="text/event-stream",
+                                     headers=self._headers(rid))
+        outs = await self._collect(request, subs)
+        choices = []
+        for i, ((_, _, prep), out) in enumerate(zip(subs, outs)):
+            text = out.text
+            if greq.echo and prep.prompt is not None:
+                text = prep.prompt + text
+            choices.append({"index": i, "text": text, "finish_reason": out.finish_reason,
+                            "stop_reason": out.outputs[0].stop_reason,
+                            "logprobs": self._completion_logprobs(out) if greq.logprobs is not None else None})
+        return self._final_json(rid, "text_completion", choices, outs)
+
+    async def chat_completions(self, request: Request) -> Response:
+        arrival = time.perf_counter_ns()
+        rid = request.headers.get("x-request-id") or f"chatcmpl-{uuid.uuid4().hex}"
+        self._check_auth(request)
+        messages, greq = chat_request(await self._read_json(request))
+        self._check_model(greq.model)
+        if self.chat is None:
+            raise APIError(400, "this model has no tokenizer, so chat is not available; use /v1/completions "
+                                "with token ids", "messages")
+        prompt_ids = self.chat.render(messages)
+        subs = self._submit(rid, [prompt_ids], greq, arrival)
+        if greq.stream:
+            return StreamingResponse(self._stream(rid, subs, greq, chat=True), media_type="text/event-stream",
+                                     headers=self._headers(rid))
+        outs = await self._collect(request, subs)
+        out = outs[0]
+        choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
+                  "finish_reason": out.finish_reason, "stop_reason": out.outputs[0].stop_reason,
+                  "logprobs": self._chat_logprobs(out) if greq.logprobs is not None else None}
+        return self._final_json(rid, "chat.completion", [choice], outs)
+
+    def _final_json(self, rid: str, obj: str, choices: list, outs: list[RequestOutput]) -> JSONResponse:
+        prompt_tokens = sum(o.num_prompt_tokens for o in outs)
+        completion_tokens = sum(o.num_output_tokens for o in outs)
+        slowest = max((o.metrics for o in outs if o.metrics is not None), key=lambda m: m.e2el_s, default=None)
+        body = {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name, "choices": choices,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens,
+                          "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}},
+                "timing": timing_dict(slowest)}
+        return JSONResponse(body, headers=self._headers(rid, slowest))
+
+    async def _stream(self, rid: str, subs, greq: GenerationRequest, chat: bool) -> AsyncIterator[bytes]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        created = int(time.time())
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, sub_id: str, stream) -> None:
+            try:
+                async for out in self.async_engine.outputs(sub_id, stream):
+                    await merged.put((index, out))
+            except Exception as e:  # delivered to the client as an error event
+                await merged.put((index, e))
+            finally:
+                await merged.put((index, None))
+
+        tasks = [asyncio.ensure_future(pump(i, sid, st)) for i, (sid, st, _) in enumerate(subs)]
+        open_streams = len(tasks)
+        finals: list[RequestOutput] = []
+        try:
+            if chat:
+                yield self._sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                              "finish_reason": None}]})
+            while open_streams:
+                index, item = await merged.get()
+                if item is None:
+                    open_streams -= 1
+                    continue
+                if isinstance(item, Exception):
+                    err = APIError(500, f"internal error while generating: {item}")
+                    log.error("request %s failed: %s", rid, item)
+                    yield self._sse(err.body())
+                    continue
+                out = item
+                if not out.delta_text and not out.finished:
+                    continue
+                if chat:
+                    choice: dict[str, Any] = {"index": index, "delta": {"content": out.delta_text},
+                                              "finish_reason": out.finish_reason}
+                else:
+                    choice = {"index": index, "text": out.delta_text, "finish_reason": out.finish_reason,
+                              "logprobs": None}
+                chunk: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": self.model_name,
+                                         "choices": [choice]}
+                if out.finished:
+                    finals.append(out)
+                    chunk["timing"] = timing_dict(out.metrics)
+                yield self._sse(chunk)
+            if greq.include_usage:
+                p = sum(o.num_prompt_tokens for o in finals)
+                c = sum(o.num_output_tokens for o in finals)
+                yield self._sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                                 "choices": [], "usage": {"prompt_tokens": p, "completion_tokens": c,
+                                                          "total_tokens": p + c}})
+            yield b"data: [DONE]\n\n"
+        finally:
+            for t in tasks:  # client gone or stream done: stopping the pumps aborts unfinished requests
+                t.cancel()
+
+    @staticmethod
+    def _sse(obj: dict[str, Any]) -> bytes:
+        return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+    def _token_text(self, tok: int) -> str:
+        return self.engine.tokenizer.decode([tok], skip_special_tokens=False) if self.engine.tokenizer else str(tok)
+
+    def _completion_logprobs(self, out: RequestOutput) -> dict[str, Any] | None:
+        lps = out.outputs[0].logprobs
+        if lps is None:
+            return None
+        toks = out.token_ids
+        return {"tokens": [self._token_text(t) for t in toks],
+                "token_logprobs": [lp.get(t) for t, lp in zip(toks, lps)],
+                "top_logprobs": [{self._token_text(k): v for k, v in lp.items()} for lp in lps]}
+
+    def _chat_logprobs(self, out: RequestOutput) -> dict[str, Any] | None:
+        lps = out.outputs[0].logprobs
+        if lps is None:
+            return None
+        content = []
+        for t, lp in zip(out.token_ids, lps):
+            content.append({"token": self._token_text(t), "logprob": lp.get(t),
+                            "top_logprobs": [{"token": self._token_text(k), "logprob": v}
+                                             for k, v in lp.items() if k != t or len(lp) == 1]})
+        return {"content": content}
+
+    async def models(self, request: Request) -> Response:
+        self._check_auth(request)
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "tailserve",
+            "max_model_len": self.engine.max_model_len}]})
+
+    async def metrics(self, request: Request) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        prom = self.engine.prometheus
+        if prom is None:
+            raise APIError(404, "metrics are disabled (--disable-metrics)")
+        # Live gauges: a scrape between steps must still see what is in use right now.
+        pool, sched = self.engine.block_pool, self.engine.scheduler
+        prom._c["running"].set(sched.num_running)
+        prom._c["waiting"].set(self.async_engine.num_waiting)
+        prom._c["kv_usage"].set(pool.num_used_blocks / pool.num_blocks)
+        prom._c["kv_blocks_total"].set(pool.num_blocks)
+        return Response(prom.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": tailserve.__version__})
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    err = APIError(exc.status_code, exc.detail or "error", code="not_found" if exc.status_code == 404 else None)
+    return JSONResponse(err.body(), status_code=exc.status_code)
+
+
+async def _engine_error(request: Request, exc: Exception) -> Response:
+    rid = request.headers.get("x-request-id", "")
+    log.error("request %s failed in the engine: %s", rid, exc)
+    err = APIError(500, str(exc))
+    return JSONResponse(err.body(), status_code=500)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error serving %s %s", request.method, request.url.path)
+    err = APIError(500, f"internal server error: {type(exc).__name__}")
+    return JSONResponse(err.body(), status_code=500)
+
+
+def build_app(server: Server) -> Starlette:
+    routes = [
+        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/metrics", server.metrics, methods=["GET"]),
+        Route("/health", server.health, methods=["GET"]),
+        Route("/version", server.version, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={
+        APIError: _api_error, HTTPException: _http_error, EngineRequestError: _engine_error, Exception: _unexpected,
+    })
+    app.state.server = server
+    return app
