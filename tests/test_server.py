@@ -1,0 +1,232 @@
+"""The HTTP server, run for real in a subprocess on 127.0.0.1 and spoken to by real clients."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tailserve import LLM, SamplingParams
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model: str, *flags: str) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tailserve", "serve", "--model", model, "--port", str(self.port),
+             "--dtype", "float32", *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stdout.read().decode()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("server did not come up")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+@pytest.fixture(scope="module")
+def server(llama_checkpoint):
+    path, _ = llama_checkpoint
+    s = ServerProcess(str(path), "--kv-cache-memory", "8MiB", "--max-request-body", "256KiB",
+                      "--served-model-name", "tiny")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(llama_checkpoint):
+    path, _ = llama_checkpoint
+    return LLM(str(path), dtype="float32", kv_cache_memory_bytes=8 << 20)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+PROMPTS = ["def add(a, b):", "import os\n", "class Point:", "for i in range(10):"]
+
+
+def test_completions_equal_offline_generate(client, offline):
+    ref = offline.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12))
+    for prompt, r in zip(PROMPTS, ref):
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+        assert out.choices[0].text == r.text
+        assert out.usage.completion_tokens == r.num_output_tokens
+        assert out.choices[0].finish_reason == r.finish_reason
+
+
+def test_streamed_completion_equals_non_streamed(client):
+    full = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=16, temperature=0)
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=16, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    last = [c for c in chunks if c.choices][-1]
+    assert last.choices[0].finish_reason == full.choices[0].finish_reason
+    assert last.model_extra["timing"]["output_tokens"] == full.usage.completion_tokens
+
+
+def test_chat_streamed_and_not(client, offline):
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "add two numbers"}]
+    full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                            stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == full.choices[0].message.content
+    assert full.choices[0].message.role == "assistant"
+    # Same prompt through the offline engine: the server's chat template + greedy decode.
+    from tailserve.server.chat import ChatTemplate
+
+    ids = ChatTemplate(offline.tokenizer).render(messages)
+    assert offline.generate([ids], SamplingParams(temperature=0, max_tokens=10))[0].text == text
+
+
+def test_concurrent_requests_all_complete_correctly(client, offline):
+    prompts = [f"def f{i}(x):" for i in range(8)]
+    ref = {p: o.text for p, o in zip(prompts, offline.generate(prompts, SamplingParams(temperature=0, max_tokens=10)))}
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda p: (p, client.completions.create(model="tiny", prompt=p, max_tokens=10,
+                                                                     temperature=0).choices[0].text), prompts))
+    assert {p: t for p, t in outs} == ref
+
+
+def test_timing_headers_and_request_id(server):
+    r = httpx.post(server.url + "/v1/completions", headers={"X-Request-Id": "my-id-42"},
+                   json={"prompt": "x = 1", "max_tokens": 5, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "my-id-42"
+    st = dict(part.strip().split(";dur=") for part in r.headers["server-timing"].split(","))
+    assert set(st) == {"queue", "prefill", "ttft", "decode", "e2e"}
+    t = r.json()["timing"]
+    assert t["output_tokens"] == 5 and t["ttft_ms"] == pytest.approx(t["queue_ms"] + t["prefill_ms"])
+    assert float(st["e2e"]) == pytest.approx(t["e2e_ms"], abs=1e-3)
+
+
+def test_http2_prior_knowledge(server):
+    with httpx.Client(http1=False, http2=True) as c:
+        r = c.post(server.url + "/v1/completions", json={"prompt": "y = 2", "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200 and r.http_version == "HTTP/2"
+
+
+BAD = [
+    ("/v1/completions", b"{not json", 400, "invalid_json"),
+    ("/v1/completions", b"\xff\xfe\x00garbage", 400, "invalid_encoding"),
+    ("/v1/completions", b"[1, 2]", 400, "invalid_json"),
+    ("/v1/completions", os.urandom(1_000_000), 413, "request_too_large"),
+    ("/v1/completions", json.dumps({"max_tokens": 5}).encode(), 400, "missing_field"),
+    ("/v1/chat/completions", json.dumps({"model": "tiny"}).encode(), 400, "missing_field"),
+    ("/v1/completions", json.dumps({"prompt": "a", "max_tokens": "ten"}).encode(), 422, "invalid_type"),
+    ("/v1/completions", json.dumps({"prompt": {"a": 1}}).encode(), 422, "invalid_type"),
+    ("/v1/completions", json.dumps({"prompt": "a", "stop": 5}).encode(), 422, "invalid_type"),
+    ("/v1/completions", json.dumps({"prompt": "a", "max_tokens": -5}).encode(), 400, None),
+    ("/v1/completions", json.dumps({"prompt": "a", "temperature": 10}).encode(), 400, None),
+    ("/v1/completions", json.dumps({"prompt": "a", "top_p": 0}).encode(), 400, None),
+    ("/v1/completions", json.dumps({"prompt": "a", "n": 3}).encode(), 400, None),
+    ("/v1/completions", json.dumps({"prompt": [5] * 600, "max_tokens": 4}).encode(), 400, None),
+    ("/v1/completions", json.dumps({"prompt": "a", "max_tokens": 100_000}).encode(), 400, "context_length_exceeded"),
+    ("/v1/completions", json.dumps({"prompt": "", "max_tokens": 4}).encode(), 400, None),
+    ("/v1/completions", json.dumps({"prompt": "a", "model": "gpt-4"}).encode(), 404, "model_not_found"),
+    ("/v1/chat/completions", json.dumps({"messages": [{"content": "no role"}]}).encode(), 422, "invalid_type"),
+    ("/v1/nope", b"{}", 404, "not_found"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, code", BAD, ids=[f"{i}-{b[2]}" for i, b in enumerate(BAD)])
+def test_bad_input_gets_documented_error_and_server_survives(server, path, body, status, code):
+    r = httpx.post(server.url + path, content=body, headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if code is not None:
+        assert err["code"] == code
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_models_version_metrics(server):
+    assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == "tiny"
+    assert httpx.get(server.url + "/version").json()["version"]
+    assert "tailserve:time_to_first_token_seconds_bucket" in httpx.get(server.url + "/metrics").text
+
+
+def test_dropped_streams_free_every_kv_block(server):
+    import threading
+
+    def open_and_drop(i: int) -> None:
+        with httpx.Client(timeout=30) as c, c.stream("POST", server.url + "/v1/completions", json={
+                "prompt": f"def g{i}(x):", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+                "stream": True}) as r:
+            for n, _ in enumerate(r.iter_lines()):
+                if n >= 4:
+                    break  # leave mid-stream: closing the connection
+
+    threads = [threading.Thread(target=open_and_drop, args=(i,)) for i in range(50)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        if server.metric("tailserve:kv_cache_usage_perc") == 0 and server.metric("tailserve:num_requests_running") == 0:
+            break
+        time.sleep(0.2)
+    assert server.metric("tailserve:kv_cache_usage_perc") == 0
+    assert server.metric("tailserve:num_requests_running") == 0
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+@pytest.mark.slow
+def test_flood_gets_429_then_accepted_requests_complete(llama_checkpoint):
+    path, _ = llama_checkpoint
+    s = ServerProcess(str(path), "--kv-cache-memory", "8MiB", "--max-num-seqs", "1", "--max-waiting-requests", "2",
+                      "--api-key", "sekret")
+    try:
+        auth = {"Authorization": "Bearer sekret"}
+        assert httpx.post(s.url + "/v1/completions", json={"prompt": "a"}).status_code == 401
+        body = {"prompt": "def flood(x):", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+
+        def send(_):
+            r = httpx.post(s.url + "/v1/completions", json=body, headers=auth, timeout=120)
+            return r.status_code, r.headers.get("retry-after"), r.json()
+
+        with concurrent.futures.ThreadPoolExecutor(24) as pool:
+            results = list(pool.map(send, range(24)))
+        codes = [c for c, _, _ in results]
+        assert 429 in codes and 200 in codes and set(codes) <= {200, 429}
+        assert all(ra == "1" for c, ra, _ in results if c == 429)
+        assert all(b["usage"]["completion_tokens"] == 40 for c, _, b in results if c == 200)
+        assert s.metric("tailserve:request_success_total") == codes.count(200)
+    finally:
+        s.stop()
