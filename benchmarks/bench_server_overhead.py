@@ -1,0 +1,115 @@
+"""The server's own latency: TTFT and TPOT over HTTP/1.1 and HTTP/2 vs the in-process engine.
+
+Low load (one request at a time), same prompts, same run. The in-process figure is the
+engine driven directly (add_request, then step() until the first token / every token); the
+HTTP figures are what a streaming client sees (request sent -> first non-empty SSE chunk,
+then the gaps between chunks). The difference is what the server adds: HTTP and JSON,
+the hand-off to the engine thread, SSE framing. Medians over --requests requests.
+
+    python benchmarks/bench_server_overhead.py [--model builtin] [--requests 30] [--max-tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+from tailserve import LLM, SamplingParams
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def in_process(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[list[float], list[float]]:
+    eng = llm.engine
+    ttft, gaps = [], []
+    for p in prompts:
+        t0 = time.perf_counter()
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        last = None
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.delta_token_ids:
+                    now = time.perf_counter()
+                    if last is None:
+                        ttft.append(now - t0)
+                    else:
+                        gaps.append(now - last)
+                    last = now
+    return ttft, gaps
+
+
+def over_http(url: str, prompts: list[str], max_tokens: int, http2: bool) -> tuple[list[float], list[float]]:
+    ttft, gaps = [], []
+    with httpx.Client(http1=not http2, http2=http2, timeout=60) as c:
+        for p in prompts:
+            body = {"prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+            t0 = time.perf_counter()
+            last = None
+            with c.stream("POST", url + "/v1/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if not chunk["choices"]:
+                        continue
+                    now = time.perf_counter()
+                    if last is None:
+                        ttft.append(now - t0)
+                    else:
+                        gaps.append(now - last)
+                    last = now
+    return ttft, gaps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="builtin")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--requests", type=int, default=30)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    args = ap.parse_args()
+    prompts = [f"def function_{i}(value):\n    " for i in range(args.requests)]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "tailserve", "serve", "--model", args.model, "--port", str(port),
+                             "--dtype", args.dtype, "--no-enable-prefix-caching"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False)
+        in_process(llm, prompts[:3], args.max_tokens)  # warm-up
+        over_http(url, prompts[:3], args.max_tokens, http2=False)
+        rows = {
+            "in-process engine": in_process(llm, prompts, args.max_tokens),
+            "HTTP/1.1": over_http(url, prompts, args.max_tokens, http2=False),
+            "HTTP/2 (h2c)": over_http(url, prompts, args.max_tokens, http2=True),
+        }
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    base_ttft = statistics.median(rows["in-process engine"][0])
+    base_tpot = statistics.median(rows["in-process engine"][1])
+    print(f"{'path':<20}{'TTFT p50 ms':>12}{'added ms':>10}{'TPOT p50 ms':>13}{'added ms':>10}")
+    for name, (ttft, gaps) in rows.items():
+        t, g = statistics.median(ttft), statistics.median(gaps)
+        print(f"{name:<20}{t * 1e3:>12.3f}{(t - base_ttft) * 1e3:>10.3f}{g * 1e3:>13.3f}{(g - base_tpot) * 1e3:>10.3f}")
+
+
+if __name__ == "__main__":
+    main()
