@@ -38,12 +38,19 @@ def make_checkpoint(path: str) -> None:
     LlamaForCausalLM(LlamaConfig(**SHAPE)).save_pretrained(path, safe_serialization=True)
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def median_time(fn, runs: int) -> float:
     fn()  # warm-up
     times = []
     for _ in range(runs):
+        _sync()
         t = time.perf_counter()
         fn()
+        _sync()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
@@ -56,10 +63,11 @@ def workloads(vocab: int, new_tokens: int):
     return prompt, mixed
 
 
-def bench_tailserve(model: str, dtype: str, runs: int, new: int, mixed_new: int) -> dict[str, float]:
+def bench_tailserve(model: str, dtype: str, runs: int, new: int, mixed_new: int, device: str = "cpu"
+                    ) -> dict[str, float]:
     from tailserve import LLM, SamplingParams
 
-    llm = LLM(model, dtype=dtype, kv_cache_memory_bytes=2 << 30, max_num_batched_tokens=2048)
+    llm = LLM(model, dtype=dtype, kv_cache_memory_bytes=2 << 30, max_num_batched_tokens=2048, device=device)
     prompt, mixed = workloads(SHAPE["vocab_size"], new)
 
     def gen(prompts, n):
@@ -68,10 +76,10 @@ def bench_tailserve(model: str, dtype: str, runs: int, new: int, mixed_new: int)
     return _measure(gen, prompt, mixed, runs, new, mixed_new)
 
 
-def bench_hf(model: str, dtype: str, runs: int, new: int, mixed_new: int) -> dict[str, float]:
+def bench_hf(model: str, dtype: str, runs: int, new: int, mixed_new: int, device: str = "cpu") -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval().to(device)
     prompt, mixed = workloads(SHAPE["vocab_size"], new)
 
     def gen(prompts, n):
@@ -81,6 +89,8 @@ def bench_hf(model: str, dtype: str, runs: int, new: int, mixed_new: int) -> dic
         for i, p in enumerate(prompts):  # left padding
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
+
+        ids, mask = ids.to(device), mask.to(device)
 
         def run():
             with torch.inference_mode():
@@ -114,6 +124,7 @@ def main() -> None:
     ap.add_argument("--mixed-new-tokens", type=int, default=64)
     ap.add_argument("--skip-hf", action="store_true", help="measure tailserve only")
     ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
 
     tmp = None
@@ -126,9 +137,11 @@ def main() -> None:
     results: dict[str, dict[str, dict[str, float]]] = {}
     for dtype in args.dtypes:
         gc.collect()
-        results[dtype] = {"tailserve": bench_tailserve(model, dtype, args.runs, args.new_tokens, args.mixed_new_tokens)}
+        results[dtype] = {"tailserve": bench_tailserve(model, dtype, args.runs, args.new_tokens, args.mixed_new_tokens,
+                                                       args.device)}
         if not args.skip_hf:
-            results[dtype]["transformers"] = bench_hf(model, dtype, args.runs, args.new_tokens, args.mixed_new_tokens)
+            results[dtype]["transformers"] = bench_hf(model, dtype, args.runs, args.new_tokens, args.mixed_new_tokens,
+                                                      args.device)
         _print(dtype, results[dtype])
     if args.json:
         with open(args.json, "w") as f:
