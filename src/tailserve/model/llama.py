@@ -48,7 +48,7 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -56,11 +56,11 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(t, kvh, d)
         if self.q_norm is None:
             # q and k are adjacent in the fused projection: rotate both with one call.
-            qk = self.rotary(positions, qkv[:, : self.q_size + self.kv_size].view(t, h + kvh, d))
+            qk = self.rotary.apply(qkv[:, : self.q_size + self.kv_size].view(t, h + kvh, d), *rope)
             q, k = qk[:, :h], qk[:, h:]
         else:
-            q = self.rotary(positions, self.q_norm(qkv[:, : self.q_size].view(t, h, d)))
-            k = self.rotary(positions, self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, kvh, d)))
+            q = self.rotary.apply(self.q_norm(qkv[:, : self.q_size].view(t, h, d)), *rope)
+            k = self.rotary.apply(self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, kvh, d)), *rope)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # (T, H*D)
         return self.o_proj(out)
 
@@ -86,9 +86,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -109,8 +109,9 @@ class LlamaFamilyModel(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: (T,). Returns the final-norm hidden states (T, hidden)."""
         x = F.embedding(input_ids, self.embed_tokens)
+        rope = self.rotary.lookup(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, kv_cache, meta)
+            x = layer(x, rope, kv_cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -45,10 +45,15 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
         self.half = head_dim // 2
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotate x: (T, heads, D) at positions (T,). Returns a new tensor."""
-        cos = self.cos[positions].unsqueeze(1)  # (T, 1, D)
-        sin = self.sin[positions].unsqueeze(1)
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for these positions, (T, 1, D): gathered once per forward, used by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x: (T, heads, D). Returns a new tensor."""
         x1, x2 = x[..., : self.half], x[..., self.half :]
         rotated = torch.cat((-x2, x1), dim=-1)
         return x * cos + rotated * sin
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.apply(x, *self.lookup(positions))
