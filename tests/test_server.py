@@ -230,3 +230,15 @@ def test_flood_gets_429_then_accepted_requests_complete(llama_checkpoint):
         assert s.metric("tailserve:request_success_total") == codes.count(200)
     finally:
         s.stop()
+
+
+def test_several_prompts_in_one_request(client, offline):
+    prompts = ["def a(x):", "def b(y):"]
+    ref = [o.text for o in offline.generate(prompts, SamplingParams(temperature=0, max_tokens=8))]
+    out = client.completions.create(model="tiny", prompt=prompts, max_tokens=8, temperature=0)
+    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == ref
+    texts = ["", ""]
+    for chunk in client.completions.create(model="tiny", prompt=prompts, max_tokens=8, temperature=0, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == ref

@@ -214,30 +214,14 @@ class Server:
     async def _stream(self, rid: str, subs, greq: GenerationRequest, chat: bool) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
-        merged: asyncio.Queue = asyncio.Queue()
-
-        async def pump(index: int, sub_id: str, stream) -> None:
-            try:
-                async for out in self.async_engine.outputs(sub_id, stream):
-                    await merged.put((index, out))
-            except Exception as e:  # delivered to the client as an error event
-                await merged.put((index, e))
-            finally:
-                await merged.put((index, None))
-
-        tasks = [asyncio.ensure_future(pump(i, sid, st)) for i, (sid, st, _) in enumerate(subs)]
-        open_streams = len(tasks)
         finals: list[RequestOutput] = []
+        events = self._events(subs)
         try:
             if chat:
                 yield self._sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
                                  "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                               "finish_reason": None}]})
-            while open_streams:
-                index, item = await merged.get()
-                if item is None:
-                    open_streams -= 1
-                    continue
+            async for index, item in events:
                 if isinstance(item, Exception):
                     err = APIError(500, f"internal error while generating: {item}")
                     log.error("request %s failed: %s", rid, item)
@@ -266,7 +250,43 @@ class Server:
                                                           "total_tokens": p + c}})
             yield b"data: [DONE]\n\n"
         finally:
-            for t in tasks:  # client gone or stream done: stopping the pumps aborts unfinished requests
+            await events.aclose()  # client gone or stream done: aborts whatever is unfinished
+
+    async def _events(self, subs) -> AsyncIterator[tuple[int, RequestOutput | Exception]]:
+        """(choice index, output or error) from every sub-request, in arrival order."""
+        if len(subs) == 1:  # the common case: no merging task, one hop less per token
+            sub_id, stream, _ = subs[0]
+            gen = self.async_engine.outputs(sub_id, stream)
+            try:
+                async for out in gen:
+                    yield 0, out
+            except Exception as e:  # delivered to the client as an error event
+                yield 0, e
+            finally:
+                await gen.aclose()
+            return
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, sub_id: str, stream) -> None:
+            try:
+                async for out in self.async_engine.outputs(sub_id, stream):
+                    await merged.put((index, out))
+            except Exception as e:
+                await merged.put((index, e))
+            finally:
+                await merged.put((index, None))
+
+        tasks = [asyncio.ensure_future(pump(i, sid, st)) for i, (sid, st, _) in enumerate(subs)]
+        open_streams = len(tasks)
+        try:
+            while open_streams:
+                index, item = await merged.get()
+                if item is None:
+                    open_streams -= 1
+                    continue
+                yield index, item
+        finally:
+            for t in tasks:  # stopping the pumps aborts unfinished requests
                 t.cancel()
 
     @staticmethod
