@@ -153,3 +153,21 @@ def test_sampled_tokens_match_exact_target_distribution(tmp_path):
     assert llm.engine.spec_stats.num_draft_tokens > 0
     assert 0 < llm.engine.spec_stats.acceptance_rate < 1
     assert chi2_pvalue(counts, exact.reshape(-1)) > 1e-3
+
+
+def test_stop_conditions_inside_an_accepted_run(llama_checkpoint):
+    """A stop token (or stop string) in the middle of k accepted drafts ends the output there."""
+    path, _ = llama_checkpoint
+    base = LLM(str(path), dtype="float32", kv_cache_memory_bytes=4 << 20)
+    spec = LLM(str(path), dtype="float32", kv_cache_memory_bytes=4 << 20, speculative_model=str(path),
+               num_speculative_tokens=5)
+    prompt = [7, 8, 9, 10]
+    full = base.generate([prompt], GREEDY)[0]
+    stop_tok = full.token_ids[6]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, stop_token_ids=[stop_tok])
+    want, got = base.generate([prompt], params)[0], spec.generate([prompt], params)[0]
+    assert got.token_ids == want.token_ids and got.token_ids[-1] == stop_tok and got.finish_reason == "stop"
+    text_params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, stop=[full.text[5:7]])
+    want, got = base.generate([prompt], text_params)[0], spec.generate([prompt], text_params)[0]
+    assert got.text == want.text and got.finish_reason == "stop"
+    assert spec.engine.block_pool.num_used_blocks == 0
