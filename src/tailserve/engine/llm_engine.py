@@ -27,7 +27,7 @@ from tailserve.memory.block_pool import BlockPool
 from tailserve.memory.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from tailserve.metrics.prometheus import PrometheusMetrics
 from tailserve.metrics.timeline import RequestMetrics, RequestTimeline, StepStats
-from tailserve.model.config import parse_dtype
+from tailserve.model.config import load_arch_config, parse_dtype
 from tailserve.model.loader import load_model
 from tailserve.model.tokenizer import Tokenizer
 from tailserve.outputs import CompletionOutput, RequestOutput
@@ -64,8 +64,6 @@ class LLMEngine:
         model_dir = pathlib.Path(resolve_model_path(config.model))
         self.model_dir = model_dir
         dtype = None if config.dtype == "auto" else parse_dtype(config.dtype)
-        from tailserve.model.config import load_arch_config
-
         arch = load_arch_config(model_dir)
         max_len = config.max_model_len or arch.max_position_embeddings
         if max_len > arch.max_position_embeddings:
