@@ -86,13 +86,16 @@ def main() -> None:
 
     headers = []
     for _, text in texts:
-        for m in re.finditer(r"^def [a-z_][a-z0-9_]*\([^)\n]*\):\n(    \"\"\"[^\n]*\n)?", text, re.M):
+        # Top-level function headers with a one-line docstring, so the body is what follows.
+        # The prompt stops before the newline: BPE merged "\n" with the next line's indent in
+        # training, so a prompt ending in a bare "\n" would sit on an unnatural token boundary.
+        for m in re.finditer(r"^def [a-z_][a-z0-9_]*\([^)\n]*\):\n    \"\"\"[^\n]*\"\"\"$", text, re.M):
             headers.append(m.group(0))
     step = max(1, len(headers) // max(args.completions, 1))
     llm = LLM(dtype="float32", kv_cache_memory_bytes=64 << 20)
     comps = []
     for h in headers[::step][: args.completions]:
-        out = llm.generate([h], SamplingParams(temperature=0, max_tokens=64, stop=["\ndef ", "\nclass "]))[0]
+        out = llm.generate([h], SamplingParams(temperature=0, max_tokens=80, stop=["\n\n\n", "\ndef ", "\nclass "]))[0]
         comps.append(h + out.text)
     report = "\n".join(lines)
     print(report)
