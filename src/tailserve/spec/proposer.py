@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tailserve.engine.sampler import SamplingTensors, exponential_noise, filtered_probs
+from tailserve.engine.sampler import SamplingTensors, exponential_noise, fast_argmax, filtered_probs
 from tailserve.model.attention import build_attention_metadata
 from tailserve.model.config import ModelArchConfig
 from tailserve.model.llama import LlamaFamilyModel
@@ -151,14 +151,14 @@ class DraftModelProposer:
             return
         if all(i.params.greedy for i in active):
             # Greedy verification compares tokens only; q is not needed.
-            for i, tok in zip(active, logits.argmax(-1).tolist()):
+            for i, tok in zip(active, fast_argmax(logits).tolist()):
                 drafts[i.request_id].append(tok)
             return
         st = SamplingTensors.from_params([i.params for i in active], logits.shape[-1], self.device)
         q = filtered_probs(logits, st)  # (N, V)
-        greedy_tok = logits.argmax(-1)
+        greedy_tok = fast_argmax(logits)
         noise = exponential_noise(tuple(q.shape), [i.generator for i in active], self.generator, self.device)
-        tokens = torch.where(st.greedy, greedy_tok, (q / noise).argmax(-1)).tolist()
+        tokens = torch.where(st.greedy, greedy_tok, fast_argmax(q / noise)).tolist()
         for row, (i, tok) in enumerate(zip(active, tokens)):
             drafts[i.request_id].append(tok)
             probs[i.request_id].append(q[row])

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from tailserve.engine.sampler import SamplingTensors, filtered_probs
+from tailserve.engine.sampler import SamplingTensors, fast_argmax, filtered_probs
 
 
 def acceptance_probability(px: torch.Tensor, qx: torch.Tensor) -> torch.Tensor:
@@ -69,7 +69,7 @@ def rejection_sample_probs(
         # rejection had probability zero), so fall back to p.
         residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_final)
         p_final = torch.where(rejected[:, None], residual, p_final)
-    sampled = (p_final / exp_noise).argmax(dim=-1)
+    sampled = fast_argmax(p_final / exp_noise)
     greedy_final = target_argmax[rows, num_accepted]
     final = torch.where(greedy, greedy_final, sampled)
     return num_accepted, final
@@ -98,7 +98,7 @@ class RejectionSampler:
         offs = torch.arange(kmax + 1, device=device)
         nd = torch.tensor(num_drafts, device=device)
         row_idx = starts[:, None] + torch.minimum(offs[None, :], nd[:, None])  # (B, K+1), clamped padding
-        argmax = target_logits.argmax(-1)[row_idx]  # (B, K+1)
+        argmax = fast_argmax(target_logits)[row_idx]  # (B, K+1)
         ids = torch.zeros((bsz, kmax), dtype=torch.long, device=device)
         for i, d in enumerate(draft_ids):
             if d:
