@@ -40,20 +40,25 @@ def held_out_prompts(n: int) -> list[str]:
     return out[::step][:n]
 
 
-def decode_tps(run, prompts: list, new: int, runs: int) -> float:
-    rates = []
-    for p in prompts:
-        run(p, 1)  # warm-up, also fills nothing: prefix caching is off in these engines
-        t1 = statistics.median(_time(run, p, 1) for _ in range(runs))
-        tn = statistics.median(_time(run, p, new) for _ in range(runs))
-        rates.append((new - 1) / (tn - t1))
-    return statistics.median(rates)
-
-
 def _time(run, p, n) -> float:
     t = time.perf_counter()
     run(p, n)
     return time.perf_counter() - t
+
+
+def interleaved_decode_tps(runners: dict, prompts: list, new: int, runs: int) -> dict[str, float]:
+    """decode tok/s per runner; runners take turns within every round so that drift on a
+    shared machine hits them all alike. Median over prompts x rounds."""
+    for run in runners.values():
+        run(prompts[0], 8)  # warm-up
+    rates: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(runs):
+        for p in prompts:
+            for name, run in runners.items():
+                t1 = _time(run, p, 1)
+                tn = _time(run, p, new)
+                rates[name].append((new - 1) / (tn - t1))
+    return {name: statistics.median(r) for name, r in rates.items()}
 
 
 def main() -> None:
@@ -68,33 +73,18 @@ def main() -> None:
     prompts = held_out_prompts(args.prompts)
     new = args.new_tokens
     common = dict(dtype=args.dtype, kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False)
-    results: dict[str, dict[str, float]] = {}
-
-    def engine_row(name: str, **spec) -> None:
-        llm = LLM(**common, **spec)
-
-        def run(p, n):
-            llm.generate([p], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-
-        tps = decode_tps(run, prompts, new, args.runs)
-        s = llm.engine.spec_stats
-        results[name] = {"decode_tok_s": tps, "mean_acceptance_length": s.mean_acceptance_length,
-                         "acceptance_rate": s.acceptance_rate}
-        print(f"{name:<28}{tps:>10.1f} tok/s   acceptance length {s.mean_acceptance_length:5.2f}", flush=True)
-
-    engine_row("tailserve off")
-    draft_alone = LLM(str(DEFAULT_DRAFT_DIR), **common)
-    draft_tps = decode_tps(lambda p, n: draft_alone.generate([p], SamplingParams(temperature=0, max_tokens=n,
-                                                                                 ignore_eos=True)),
-                           prompts, new, args.runs)
-    results["draft model alone"] = {"decode_tok_s": draft_tps}
-    print(f"{'draft model alone':<28}{draft_tps:>10.1f} tok/s   cost ratio draft/target "
-          f"{results['tailserve off']['decode_tok_s'] / draft_tps:.3f}", flush=True)
+    configs = {"tailserve off": {}}
     for k in range(2, 7):
-        engine_row(f"tailserve draft k={k}", speculative_model="builtin", num_speculative_tokens=k)
-    engine_row("tailserve draft adaptive", speculative_model="builtin")
-    engine_row("tailserve ngram k=4", speculative_method="ngram", num_speculative_tokens=4)
+        configs[f"tailserve draft k={k}"] = {"speculative_model": "builtin", "num_speculative_tokens": k}
+    configs["tailserve draft adaptive"] = {"speculative_model": "builtin"}
+    configs["tailserve ngram k=4"] = {"speculative_method": "ngram", "num_speculative_tokens": 4}
+    engines = {name: LLM(**common, **spec) for name, spec in configs.items()}
+    engines["draft model alone"] = LLM(str(DEFAULT_DRAFT_DIR), **common)
 
+    def engine_runner(llm):
+        return lambda p, n: llm.generate([p], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+
+    runners = {name: engine_runner(llm) for name, llm in engines.items()}
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -111,25 +101,37 @@ def main() -> None:
                                     assistant_model=assistant, pad_token_id=tok.pad_token_id)
             return run
 
-        for name, assistant in (("transformers plain", None), ("transformers assisted", draft)):
-            tps = decode_tps(hf(assistant), prompts, new, args.runs)
-            results[name] = {"decode_tok_s": tps}
-            print(f"{name:<28}{tps:>10.1f} tok/s", flush=True)
+        runners["transformers plain"] = hf(None)
+        runners["transformers assisted"] = hf(draft)
+    tps = interleaved_decode_tps(runners, prompts, new, args.runs)
+    results: dict[str, dict[str, float]] = {}
+    for name, rate in tps.items():
+        results[name] = {"decode_tok_s": rate}
+        line = f"{name:<28}{rate:>10.1f} tok/s"
+        if name in engines and engines[name].engine.spec_stats.num_drafts:
+            s = engines[name].engine.spec_stats
+            results[name].update(mean_acceptance_length=s.mean_acceptance_length, acceptance_rate=s.acceptance_rate)
+            line += f"   acceptance length {s.mean_acceptance_length:5.2f}, rate {s.acceptance_rate:.2f}"
+        print(line, flush=True)
+    print(f"cost ratio draft/target (time per token, alone): "
+          f"{tps['tailserve off'] / tps['draft model alone']:.3f}")
 
-    # Batch 16: adaptive speculation must not lose throughput.
+    # Batch 16: adaptive speculation must not lose throughput. Alternating runs, medians.
     batch_prompts = held_out_prompts(16)
-    for name, spec in (("batch16 off", {}), ("batch16 adaptive", {"speculative_model": "builtin"})):
-        llm = LLM(**common, **spec)
-        p16 = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    p16 = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    b16 = {"batch16 off": engines["tailserve off"], "batch16 adaptive": engines["tailserve draft adaptive"],
+           "batch16 k=3": engines["tailserve draft k=3"]}
+    times: dict[str, list[float]] = {name: [] for name in b16}
+    for llm in b16.values():
         llm.generate(batch_prompts, p16)
-        times = []
-        for _ in range(args.runs):
+    for _ in range(max(3, args.runs)):
+        for name, llm in b16.items():
             t0 = time.perf_counter()
             llm.generate(batch_prompts, p16)
-            times.append(time.perf_counter() - t0)
-        t = statistics.median(times)
-        results[name] = {"tok_s": 16 * 128 / t}
-        print(f"{name:<28}{16 * 128 / t:>10.1f} tok/s (end to end)", flush=True)
+            times[name].append(time.perf_counter() - t0)
+    for name, ts in times.items():
+        results[name] = {"tok_s": 16 * 128 / statistics.median(ts)}
+        print(f"{name:<28}{results[name]['tok_s']:>10.1f} tok/s (end to end)", flush=True)
 
     off = results["tailserve off"]["decode_tok_s"]
     print("\nspeed-ups over tailserve off:")
@@ -139,7 +141,8 @@ def main() -> None:
     if "transformers plain" in results:
         hf_off = results["transformers plain"]["decode_tok_s"]
         print(f"  transformers assisted vs its plain: {results['transformers assisted']['decode_tok_s'] / hf_off:.2f}x")
-    print(f"  batch 16 adaptive vs off: {results['batch16 adaptive']['tok_s'] / results['batch16 off']['tok_s']:.2f}x")
+    for name in ("batch16 adaptive", "batch16 k=3"):
+        print(f"  {name} vs off: {results[name]['tok_s'] / results['batch16 off']['tok_s']:.2f}x")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=2))
 

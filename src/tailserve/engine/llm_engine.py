@@ -226,6 +226,10 @@ class LLMEngine:
             self._after_verification(sched, updates)
         outputs = [self._process(u) for u in updates]
         if self.proposer is not None:
+            # The cost model sees whole-step costs: everything but the proposal is "verify",
+            # the proposal (with its bookkeeping) is "draft". Overheads count where they occur.
+            self.spec_controller.target_cost.observe(sched.num_scheduled_tokens,
+                                                     (time.perf_counter_ns() - t0) * 1e-9)
             self._propose()
         self.num_steps += 1
         new_tokens = sum(len(u.new_token_ids) for u in updates)
@@ -236,7 +240,6 @@ class LLMEngine:
 
     # -- speculative decoding ------------------------------------------------------------
     def _after_verification(self, sched, updates: list[RequestUpdate]) -> None:
-        self.spec_controller.target_cost.observe(sched.num_scheduled_tokens, self.runner.last_forward_s)
         for s in sched.scheduled:
             self._draft_probs.pop(s.request_id, None)  # consumed (or dropped) this step
         for rid in sched.finished_ids:
@@ -280,16 +283,18 @@ class LLMEngine:
                                         self.runner.generator_for(req.request_id, req.params)))
         if not inputs:
             return
+        t0 = time.perf_counter()
         proposal = self.proposer.propose(inputs)  # type: ignore[union-attr]
-        if proposal.num_draft_forwards:
-            self.spec_controller.draft_cost.observe(
-                len(inputs), proposal.draft_forward_s / proposal.num_draft_forwards)
         for inp in inputs:
             req = self.scheduler.requests[inp.request_id]
             req.spec_token_ids = proposal.draft_ids.get(inp.request_id, [])
             req.num_draft_seen = proposal.num_seen.get(inp.request_id, req.num_draft_seen)
             if proposal.draft_probs is not None and inp.request_id in proposal.draft_probs:
                 self._draft_probs[inp.request_id] = proposal.draft_probs[inp.request_id]
+        drafted = sum(1 for i in inputs if i.k > 0)
+        if drafted:
+            # Per draft token of one request's round: the whole proposal, overheads included.
+            self.spec_controller.draft_cost.observe(drafted, (time.perf_counter() - t0) / max(k, 1))
 
     def _record_step(self, sched, duration_ns: int, preemptions: int, new_tokens: int) -> None:
         running = self.scheduler.running

@@ -76,7 +76,7 @@ def expected_tokens(a: float, k: int) -> float:
 class AdaptiveSpeculation:
     k_max: int = 6
     fixed_k: int | None = None
-    explore_every: int = 16
+    explore_every: int = 24
     acceptance_prior: float = 0.6
     forget: float = 0.98
     target_cost: LinearCostModel = field(default_factory=LinearCostModel)
@@ -112,7 +112,7 @@ class AdaptiveSpeculation:
             self.last_k = max(1, self.k_max // 2)  # bootstrap: measure both models
             return self.last_k
         if self._steps % self.explore_every == 0:
-            self.last_k = self._rng.randint(1, self.k_max)  # keep the cost fits fresh
+            self.last_k = self._rng.randint(0, self.k_max)  # keep the cost fits fresh
             return self.last_k
         a = self.acceptance_rate
         b = num_decoding
