@@ -1,4 +1,10 @@
-"""Drives ``LLMEngine`` from a dedicated thread so the server's event loop never blocks.
+"""Drives ``LLMEngine`` from its own thread so the server's event loop never blocks.
+
+``tailserve serve`` runs the engine loop on the process's *main* thread and the event loop
+on a second one: PyTorch's OpenMP intra-op pool is fastest when driven from the main thread
+(measured on 2 cores: 2.8 ms per decode step from the main thread, 5.5 ms from a second
+one). ``AsyncEngine(start_thread=True)`` runs the loop on a background thread instead, for
+tests and embedding.
 
 The engine thread owns the engine: it takes commands (add, abort) from a queue, runs
 ``step()`` while there is work, and hands each output to the asyncio queue of the request
@@ -42,7 +48,7 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_waiting_requests: int = 256) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int = 256, start_thread: bool = True) -> None:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -50,8 +56,14 @@ class AsyncEngine:
         self._pending_adds = 0  # queued for the engine thread, not yet in the scheduler
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="tailserve-engine", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if start_thread:
+            self._thread = threading.Thread(target=self._run, name="tailserve-engine", daemon=True)
+            self._thread.start()
+
+    def run_forever(self) -> None:
+        """Run the engine loop on the calling thread until ``shutdown()``."""
+        self._run()
 
     # -- called from the event loop -----------------------------------------------------
     @property
@@ -94,18 +106,21 @@ class AsyncEngine:
     def shutdown(self) -> None:
         self._stop.set()
         self._commands.put(("stop", None, None, None))
-        self._thread.join(timeout=10)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
 
     # -- the engine thread ------------------------------------------------------------------
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> asyncio.AbstractEventLoop | None:
         stream = self._streams.get(request_id)
         if stream is None:
-            return
+            return None
         if isinstance(item, BaseException) or item.finished:
             self._streams.pop(request_id, None)
         # RuntimeError: the event loop is closed, so nobody is listening any more.
         with contextlib.suppress(RuntimeError):
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            return stream.loop
+        return None
 
     def _handle(self, cmd: tuple) -> None:
         kind, rid, prepared, arrival_ns = cmd
@@ -145,5 +160,24 @@ class AsyncEngine:
                     self._deliver(rid, EngineRequestError(f"internal error while generating: {e}"))
                 time.sleep(0.01)
                 continue
+            loops = set()
             for out in outputs:
-                self._deliver(out.request_id, out)
+                loop = self._deliver(out.request_id, out)
+                if loop is not None:
+                    loops.add(loop)
+            self._yield_to(loops)
+
+    def _yield_to(self, loops: set) -> None:
+        """Let the event loop turn this step's outputs into bytes before the next step.
+
+        On a small machine the engine's intra-op worker threads spin between kernels; an
+        event loop thread running at the same time takes a core from them and stalls every
+        parallel region (measured on 2 cores: 5.9 ms per token instead of 2.8 ms). Handing
+        over explicitly keeps the two from overlapping. The wait is bounded, so a slow
+        consumer can never stall generation for long."""
+        for loop in loops:
+            done = threading.Event()
+            # Runs after the callbacks and task wake-ups already queued by _deliver.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(lambda d=done, lp=loop: lp.call_soon(d.set))
+                done.wait(timeout=0.005)

@@ -68,9 +68,9 @@ def server_timing_header(m: RequestMetrics | None) -> str:
 
 class Server:
     def __init__(self, engine: LLMEngine, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 max_waiting_requests: int = 256) -> None:
+                 max_waiting_requests: int = 256, start_engine_thread: bool = True) -> None:
         self.engine = engine
-        self.async_engine = AsyncEngine(engine, max_waiting_requests)
+        self.async_engine = AsyncEngine(engine, max_waiting_requests, start_thread=start_engine_thread)
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.model_name = engine.model_name
