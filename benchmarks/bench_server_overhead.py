@@ -95,6 +95,12 @@ def main() -> None:
         llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False)
         in_process(llm, prompts[:3], args.max_tokens)  # warm-up
         over_http(url, prompts[:3], args.max_tokens, http2=False)
+        with httpx.Client(http1=True, http2=False) as c:
+            rtt = []
+            for _ in range(args.requests * 3):
+                t0 = time.perf_counter()
+                c.get(url + "/health")
+                rtt.append(time.perf_counter() - t0)
         rows = {
             "in-process engine": in_process(llm, prompts, args.max_tokens),
             "HTTP/1.1": over_http(url, prompts, args.max_tokens, http2=False),
@@ -103,6 +109,7 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+    print(f"bare HTTP/1.1 round trip (GET /health, client included): {statistics.median(rtt) * 1e3:.3f} ms")
     base_ttft = statistics.median(rows["in-process engine"][0])
     base_tpot = statistics.median(rows["in-process engine"][1])
     print(f"{'path':<20}{'TTFT p50 ms':>12}{'added ms':>10}{'TPOT p50 ms':>13}{'added ms':>10}")
