@@ -30,46 +30,49 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class Stamps:
+    """Time to the first token of a request, then the gaps between later ones."""
+
+    def __init__(self) -> None:
+        self.ttft: list[float] = []
+        self.gaps: list[float] = []
+
+    def start(self) -> None:
+        self._t0, self._last = time.perf_counter(), None
+
+    def token(self) -> None:
+        now = time.perf_counter()
+        if self._last is None:
+            self.ttft.append(now - self._t0)
+        else:
+            self.gaps.append(now - self._last)
+        self._last = now
+
+
 def in_process(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[list[float], list[float]]:
     eng = llm.engine
-    ttft, gaps = [], []
+    st = Stamps()
     for p in prompts:
-        t0 = time.perf_counter()
+        st.start()
         eng.add_request(p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-        last = None
         while eng.has_unfinished_requests():
             for out in eng.step():
                 if out.delta_token_ids:
-                    now = time.perf_counter()
-                    if last is None:
-                        ttft.append(now - t0)
-                    else:
-                        gaps.append(now - last)
-                    last = now
-    return ttft, gaps
+                    st.token()
+    return st.ttft, st.gaps
 
 
 def over_http(url: str, prompts: list[str], max_tokens: int, http2: bool) -> tuple[list[float], list[float]]:
-    ttft, gaps = [], []
+    st = Stamps()
     with httpx.Client(http1=not http2, http2=http2, timeout=60) as c:
         for p in prompts:
             body = {"prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
-            t0 = time.perf_counter()
-            last = None
+            st.start()
             with c.stream("POST", url + "/v1/completions", json=body) as r:
                 for line in r.iter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    chunk = json.loads(line[6:])
-                    if not chunk["choices"]:
-                        continue
-                    now = time.perf_counter()
-                    if last is None:
-                        ttft.append(now - t0)
-                    else:
-                        gaps.append(now - last)
-                    last = now
-    return ttft, gaps
+                    if line.startswith("data: {") and json.loads(line[6:])["choices"]:
+                        st.token()
+    return st.ttft, st.gaps
 
 
 def main() -> None:
