@@ -242,3 +242,19 @@ def test_several_prompts_in_one_request(client, offline):
         for c in chunk.choices:
             texts[c.index] += c.text
     assert texts == ref
+
+
+def test_port_in_use_is_a_one_line_error(server):
+    p = subprocess.run([sys.executable, "-m", "tailserve", "serve", "--port", str(server.port)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip() == f"tailserve: error: cannot listen on 127.0.0.1:{server.port}: Address already in use"
+
+
+def test_sigterm_stops_the_server_cleanly(llama_checkpoint):
+    path, _ = llama_checkpoint
+    s = ServerProcess(str(path), "--kv-cache-memory", "2MiB")
+    s.proc.terminate()
+    out, _ = s.proc.communicate(timeout=30)
+    assert s.proc.returncode == 0
+    assert b"Traceback" not in out

@@ -93,8 +93,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from tailserve.config import EngineConfig
     from tailserve.engine.llm_engine import LLMEngine
-    from tailserve.server.run import run_server
+    from tailserve.server.run import check_bindable, run_server
 
+    check_bindable(args.host, args.port)  # fail before spending seconds loading the model
     kw = _engine_kwargs(args)
     engine = LLMEngine(EngineConfig(model=args.model or "builtin", served_model_name=args.served_model_name,
                                     enable_metrics=not args.disable_metrics, **kw))  # type: ignore[arg-type]

@@ -4,8 +4,10 @@ event-loop thread, the engine loop on the main thread (see engine/async_engine.p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
+import socket
 import sys
 import threading
 
@@ -13,6 +15,7 @@ from hypercorn.asyncio import serve
 from hypercorn.config import Config
 
 from tailserve.engine.llm_engine import LLMEngine
+from tailserve.errors import ConfigError
 from tailserve.server.app import Server, build_app
 
 log = logging.getLogger("tailserve.server")
@@ -20,6 +23,7 @@ log = logging.getLogger("tailserve.server")
 
 def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                max_body_bytes: int = 1 << 20, max_waiting_requests: int = 256, access_log: bool = False) -> None:
+    check_bindable(host, port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Two Python threads hand work to each other on every token; a shorter GIL switch
     # interval than the default 5 ms keeps each hand-off from waiting that long.
@@ -62,7 +66,8 @@ def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000, api
         server.async_engine.shutdown()
         loop, event = state.get("loop"), state.get("stop")
         if loop is not None and event is not None:
-            loop.call_soon_threadsafe(event.set)  # type: ignore[attr-defined]
+            with contextlib.suppress(RuntimeError):  # the loop has already closed: nothing to stop
+                loop.call_soon_threadsafe(event.set)  # type: ignore[attr-defined]
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
@@ -71,3 +76,14 @@ def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000, api
     thread.join(timeout=30)
     if failure:
         raise SystemExit(f"tailserve: error: HTTP server failed: {failure[0]}")
+
+
+def check_bindable(host: str, port: int) -> None:
+    """Fail with one clear line, before loading anything else, if the address is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
