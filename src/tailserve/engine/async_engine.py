@@ -56,6 +56,7 @@ class AsyncEngine:
         self._pending_adds = 0  # queued for the engine thread, not yet in the scheduler
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._just_added: set[asyncio.AbstractEventLoop] = set()
         self._thread: threading.Thread | None = None
         if start_thread:
             self._thread = threading.Thread(target=self._run, name="tailserve-engine", daemon=True)
@@ -127,6 +128,9 @@ class AsyncEngine:
         if kind == "add":
             with self._lock:
                 self._pending_adds -= 1
+            stream = self._streams.get(rid)
+            if stream is not None:
+                self._just_added.add(stream.loop)
             try:
                 self.engine.add_prepared(prepared, rid, arrival_ns)
             except TailserveError as e:
@@ -150,6 +154,11 @@ class AsyncEngine:
                 pass
             if not self.engine.has_unfinished_requests():
                 continue
+            if self._just_added:
+                # The handler that queued a request is still finishing (response headers);
+                # let it, so the step that follows runs without a thread competing for the cores.
+                self._yield_to(self._just_added)
+                self._just_added = set()
             try:
                 outputs = self.engine.step()
             except Exception as e:  # a bug or a device error: fail the requests in flight, keep serving
