@@ -121,10 +121,7 @@ class LLMEngine:
         self.metrics_enabled = config.enable_metrics
         self.prometheus = PrometheusMetrics(self.model_name) if config.enable_metrics else None
         self.step_log: deque[StepStats] = deque(maxlen=4096)
-        self.finished_metrics: deque[RequestMetrics] = deque(maxlen=100_000)
         self.num_steps = 0
-        self.num_generated_tokens = 0
-        self.num_finished_prompt_tokens = 0
 
     # -- requests ------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -232,9 +229,8 @@ class LLMEngine:
                                                      (time.perf_counter_ns() - t0) * 1e-9)
             self._propose()
         self.num_steps += 1
-        new_tokens = sum(len(u.new_token_ids) for u in updates)
-        self.num_generated_tokens += new_tokens
         if self.metrics_enabled:
+            new_tokens = sum(len(u.new_token_ids) for u in updates)
             self._record_step(sched, t1 - t0, self.scheduler.num_preemptions - preempted_before, new_tokens)
         return outputs
 
@@ -264,20 +260,20 @@ class LLMEngine:
         is_draft_model = isinstance(self.proposer, DraftModelProposer)
         inputs = []
         for req in running:
+            if req.spec_token_ids:
+                continue  # drafts from an earlier step still wait for verification
             in_decode = req.num_computed_tokens >= req.num_prompt_tokens
             kk = 0
-            if in_decode and not req.spec_token_ids:
+            if in_decode:
                 kk = min(k, req.params.max_tokens - req.num_output_tokens - 1,
                          self.max_model_len - req.num_tokens - 1)
                 if kk > 0 and not self.scheduler.reserve(req, req.num_tokens + kk):
                     kk = 0
             if not is_draft_model and kk <= 0:
-                continue
+                continue  # n-gram lookup has nothing to catch up on
             valid = req.num_tokens if in_decode else req.num_computed_tokens
             # The draft can only write K/V into slots the request already owns.
             valid = min(valid, len(req.block_ids) * self.config.block_size)
-            if req.spec_token_ids:
-                continue  # drafts from an earlier step still wait for verification
             inputs.append(ProposalInput(req.request_id, req.all_token_ids, req.num_draft_seen, valid,
                                         req.block_ids, max(kk, 0), req.params,
                                         self.runner.generator_for(req.request_id, req.params)))
@@ -315,14 +311,12 @@ class LLMEngine:
             self.prometheus.observe_tokens(new_tokens)
 
     def _record_finished(self, req: Request) -> RequestMetrics | None:
-        self.num_finished_prompt_tokens += req.num_prompt_tokens
         if req.timeline is None:
             return None
         rm = RequestMetrics.from_timeline(req.request_id, req.timeline, req.num_prompt_tokens,
                                           req.num_cached_tokens, req.finish_reason,
                                           (req.spec_num_drafts, req.spec_num_draft_tokens,
                                            req.spec_num_accepted_tokens))
-        self.finished_metrics.append(rm)
         if self.prometheus is not None:
             self.prometheus.observe_finished(rm)
         return rm

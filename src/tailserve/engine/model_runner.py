@@ -30,7 +30,6 @@ class ModelRunner:
         self.sampler = Sampler(arch.vocab_size, device, seed)
         self.rejection_sampler = RejectionSampler(self.sampler.generator)
         self._generators: dict[str, torch.Generator] = {}
-        self.last_forward_s = 0.0  # time of the last model forward (for the speculation cost model)
 
     def generator_for(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
         return self._generator(request_id, params)
@@ -54,8 +53,6 @@ class ModelRunner:
                 draft_probs: dict[str, torch.Tensor] | None = None) -> ModelRunnerOutput:
         """Run one step. Requests with draft tokens are verified: their last k+1 positions
         are sampled through the rejection sampler (``draft_probs`` None = one-hot drafts)."""
-        import time
-
         self.forget(sched.finished_ids)
         input_ids: list[int] = []
         query_lens, context_lens, tables = [], [], []
@@ -82,15 +79,12 @@ class ModelRunner:
                                         self.arch.sliding_window, self.device)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        t0 = time.perf_counter()
         hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
         if not sample_rows:
-            self.last_forward_s = time.perf_counter() - t0
             return ModelRunnerOutput()
         if len(sample_rows) < len(input_ids):
             hidden = hidden[torch.tensor(sample_rows, device=self.device)]
         logits = self.model.compute_logits(hidden)  # (rows, V) float32
-        self.last_forward_s = time.perf_counter() - t0
         plist = [params[rid] for rid in sample_ids]
         out = ModelRunnerOutput()
         if not spec and all(p.greedy for p in plist):

@@ -54,6 +54,3 @@ class RotaryEmbedding(torch.nn.Module):
         x1, x2 = x[..., : self.half], x[..., self.half :]
         rotated = torch.cat((-x2, x1), dim=-1)
         return x * cos + rotated * sin
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return self.apply(x, *self.lookup(positions))

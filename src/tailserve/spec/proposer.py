@@ -37,8 +37,6 @@ class Proposal:
     draft_ids: dict[str, list[int]]
     draft_probs: dict[str, torch.Tensor] | None  # (k, V) per request; None = one-hot (n-gram)
     num_seen: dict[str, int]  # tokens whose K/V the proposer now holds, per request
-    draft_forward_s: float = 0.0  # time in draft forward passes, for the cost model
-    num_draft_forwards: int = 0
 
 
 class NgramProposer:
@@ -90,14 +88,10 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def propose(self, inputs: list[ProposalInput]) -> Proposal:
-        import time
-
-        t0 = time.perf_counter()
         seen = {i.request_id: i.num_seen for i in inputs}
         drafts: dict[str, list[int]] = {i.request_id: [] for i in inputs}
         probs: dict[str, list[torch.Tensor]] = {i.request_id: [] for i in inputs}
         catch_up = [i for i in inputs if i.num_valid > i.num_seen]
-        forwards = 0
         if not catch_up:
             return Proposal(drafts, {}, seen)
         # 1. Catch-up forward: every request's unseen tokens; sample the first draft of the
@@ -106,7 +100,6 @@ class DraftModelProposer:
             [i.all_token_ids[i.num_seen : i.num_valid] for i in catch_up],
             [i.num_seen for i in catch_up], [i.block_ids for i in catch_up],
             sample_last=[i.k > 0 and i.num_valid == len(i.all_token_ids) for i in catch_up])
-        forwards += 1
         for i in catch_up:
             seen[i.request_id] = i.num_valid
         active = [i for i in catch_up if i.k > 0 and i.num_valid == len(i.all_token_ids)]
@@ -120,13 +113,12 @@ class DraftModelProposer:
             logits = self._forward([[drafts[i.request_id][-1]] for i in active],
                                    [len(i.all_token_ids) + step - 1 for i in active],
                                    [i.block_ids for i in active], sample_last=[True] * len(active))
-            forwards += 1
             self._sample_into(active, logits, drafts, probs)
             step += 1
         # The chain wrote K/V for drafts 1..k-1; they become "seen" only once accepted, which
         # the engine reports back through num_seen on the next round.
         out_probs = {rid: torch.stack(ps) for rid, ps in probs.items() if ps}
-        return Proposal(drafts, out_probs, seen, time.perf_counter() - t0, forwards)
+        return Proposal(drafts, out_probs, seen)
 
     def _forward(self, token_lists: list[list[int]], starts: list[int], tables: list[list[int]],
                  sample_last: list[bool]) -> torch.Tensor | None:
