@@ -6,6 +6,12 @@ HTTP figures are what a streaming client sees (request sent -> first non-empty S
 then the gaps between chunks). The difference is what the server adds: HTTP and JSON,
 the hand-off to the engine thread, SSE framing. Medians over --requests requests.
 
+Two HTTP/1.1 clients: httpx (what most Python callers use; its own per-request cost is
+part of its figure, see the bare round trip printed first) and a minimal client on a raw
+socket (one prebuilt request, chunked SSE read off the socket), whose own cost is a few
+microseconds, so its figure is close to the server's own. HTTP/2 uses httpx on the h2c
+port (--http2-port).
+
     python benchmarks/bench_server_overhead.py [--model builtin] [--requests 30] [--max-tokens 32]
 """
 
@@ -75,6 +81,39 @@ def over_http(url: str, prompts: list[str], max_tokens: int, http2: bool) -> tup
     return st.ttft, st.gaps
 
 
+def raw_http11(host: str, port: int, prompts: list[str], max_tokens: int) -> tuple[list[float], list[float]]:
+    """One keep-alive connection; the request is built before the clock starts; each SSE
+    event that carries a token is stamped as soon as its bytes arrive."""
+    st = Stamps()
+    with socket.create_connection((host, port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for p in prompts:
+            body = json.dumps({"prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                               "stream": True}).encode()
+            req = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                   f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+            buf = b""
+            st.start()
+            sock.sendall(req)
+            done = False
+            while not done:
+                data = sock.recv(65536)
+                if not data:
+                    raise RuntimeError("server closed the connection")
+                buf += data
+                while b"\n\n" in buf:  # one SSE event (chunk framing lines are skipped below)
+                    event, buf = buf.split(b"\n\n", 1)
+                    for line in event.split(b"\r\n"):
+                        if line.startswith(b"data: {") and json.loads(line[6:])["choices"]:
+                            st.token()
+                        elif line.startswith(b"data: [DONE]"):
+                            done = True
+            # Read the chunked terminator so the next request starts on a clean connection.
+            while not buf.endswith(b"0\r\n\r\n"):
+                buf += sock.recv(65536)
+    return st.ttft, st.gaps
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="builtin")
@@ -85,7 +124,10 @@ def main() -> None:
     prompts = [f"def function_{i}(value):\n    " for i in range(args.requests)]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    port_h2 = free_port()
+    url_h2 = f"http://127.0.0.1:{port_h2}"
     proc = subprocess.Popen([sys.executable, "-m", "tailserve", "serve", "--model", args.model, "--port", str(port),
+                             "--http2-port", str(port_h2),
                              "--dtype", args.dtype, "--no-enable-prefix-caching"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -98,6 +140,8 @@ def main() -> None:
         llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False)
         in_process(llm, prompts[:3], args.max_tokens)  # warm-up
         over_http(url, prompts[:3], args.max_tokens, http2=False)
+        over_http(url_h2, prompts[:3], args.max_tokens, http2=True)
+        raw_http11("127.0.0.1", port, prompts[:3], args.max_tokens)
         with httpx.Client(http1=True, http2=False) as c:
             rtt = []
             for _ in range(args.requests * 3):
@@ -106,8 +150,9 @@ def main() -> None:
                 rtt.append(time.perf_counter() - t0)
         rows = {
             "in-process engine": in_process(llm, prompts, args.max_tokens),
-            "HTTP/1.1": over_http(url, prompts, args.max_tokens, http2=False),
-            "HTTP/2 (h2c)": over_http(url, prompts, args.max_tokens, http2=True),
+            "HTTP/1.1 raw socket": raw_http11("127.0.0.1", port, prompts, args.max_tokens),
+            "HTTP/1.1 httpx": over_http(url, prompts, args.max_tokens, http2=False),
+            "HTTP/2 h2c httpx": over_http(url_h2, prompts, args.max_tokens, http2=True),
         }
     finally:
         proc.terminate()
@@ -115,10 +160,10 @@ def main() -> None:
     print(f"bare HTTP/1.1 round trip (GET /health, client included): {statistics.median(rtt) * 1e3:.3f} ms")
     base_ttft = statistics.median(rows["in-process engine"][0])
     base_tpot = statistics.median(rows["in-process engine"][1])
-    print(f"{'path':<20}{'TTFT p50 ms':>12}{'added ms':>10}{'TPOT p50 ms':>13}{'added ms':>10}")
+    print(f"{'path':<22}{'TTFT p50 ms':>12}{'added ms':>10}{'TPOT p50 ms':>13}{'added ms':>10}")
     for name, (ttft, gaps) in rows.items():
         t, g = statistics.median(ttft), statistics.median(gaps)
-        print(f"{name:<20}{t * 1e3:>12.3f}{(t - base_ttft) * 1e3:>10.3f}{g * 1e3:>13.3f}{(g - base_tpot) * 1e3:>10.3f}")
+        print(f"{name:<22}{t * 1e3:>12.3f}{(t - base_ttft) * 1e3:>10.3f}{g * 1e3:>13.3f}{(g - base_tpot) * 1e3:>10.3f}")
 
 
 if __name__ == "__main__":

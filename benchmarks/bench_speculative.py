@@ -68,18 +68,30 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--draft", default=None, help="draft checkpoint folder (default: the built-in draft)")
+    ap.add_argument("--draft-dtype", default="auto", help="tailserve's draft dtype (auto: the target's)")
+    ap.add_argument("--rows", default=None, help="only rows whose name contains this (plus 'off')")
     ap.add_argument("--json")
     args = ap.parse_args()
     prompts = held_out_prompts(args.prompts)
     new = args.new_tokens
     common = dict(dtype=args.dtype, kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False)
+    draft_dir = args.draft or str(DEFAULT_DRAFT_DIR)
+    d = {"speculative_model": draft_dir, "speculative_draft_dtype": args.draft_dtype}
     configs = {"tailserve off": {}}
     for k in range(2, 7):
-        configs[f"tailserve draft k={k}"] = {"speculative_model": "builtin", "num_speculative_tokens": k}
-    configs["tailserve draft adaptive"] = {"speculative_model": "builtin"}
+        configs[f"tailserve draft k={k}"] = {**d, "num_speculative_tokens": k}
+    configs["tailserve draft adaptive"] = dict(d)
     configs["tailserve ngram k=4"] = {"speculative_method": "ngram", "num_speculative_tokens": 4}
+    configs["tailserve hybrid k=4"] = {**d, "speculative_method": "hybrid", "num_speculative_tokens": 4,
+                                      "ngram_min": 2}
+    configs["tailserve hybrid adaptive"] = {**d, "speculative_method": "hybrid", "ngram_min": 2}
+    if args.rows:
+        configs = {n: c for n, c in configs.items() if n == "tailserve off" or args.rows in n
+                   or (n == "tailserve draft adaptive")}
     engines = {name: LLM(**common, **spec) for name, spec in configs.items()}
-    engines["draft model alone"] = LLM(str(DEFAULT_DRAFT_DIR), **common)
+    draft_dtype = args.draft_dtype if args.draft_dtype != "auto" else args.dtype
+    engines["draft model alone"] = LLM(draft_dir, **{**common, "dtype": draft_dtype})
 
     def engine_runner(llm):
         return lambda p, n: llm.generate([p], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
@@ -119,8 +131,10 @@ def main() -> None:
     # Batch 16: adaptive speculation must not lose throughput. Alternating runs, medians.
     batch_prompts = held_out_prompts(16)
     p16 = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
-    b16 = {"batch16 off": engines["tailserve off"], "batch16 adaptive": engines["tailserve draft adaptive"],
-           "batch16 k=3": engines["tailserve draft k=3"]}
+    b16 = {"batch16 off": engines["tailserve off"], "batch16 draft adaptive": engines["tailserve draft adaptive"]}
+    for name in ("tailserve draft k=3", "tailserve hybrid adaptive"):
+        if name in engines:
+            b16["batch16 " + name.split(" ", 1)[1]] = engines[name]
     times: dict[str, list[float]] = {name: [] for name in b16}
     for llm in b16.values():
         llm.generate(batch_prompts, p16)
@@ -138,10 +152,15 @@ def main() -> None:
     for name, r in results.items():
         if "decode_tok_s" in r and name.startswith("tailserve"):
             print(f"  {name:<28}{r['decode_tok_s'] / off:6.2f}x")
+    for name, llm in engines.items():
+        prop = llm.engine.proposer
+        if hasattr(prop, "num_lookup_drafts"):
+            total = max(1, prop.num_lookup_drafts + prop.num_model_drafts)
+            print(f"  {name}: {prop.num_lookup_drafts / total:.0%} of rounds drafted by n-gram lookup")
     if "transformers plain" in results:
         hf_off = results["transformers plain"]["decode_tok_s"]
         print(f"  transformers assisted vs its plain: {results['transformers assisted']['decode_tok_s'] / hf_off:.2f}x")
-    for name in ("batch16 adaptive", "batch16 k=3"):
+    for name in [n for n in b16 if n != "batch16 off"]:
         print(f"  {name} vs off: {results[name]['tok_s'] / results['batch16 off']['tok_s']:.2f}x")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=2))

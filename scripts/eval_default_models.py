@@ -56,11 +56,12 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=48, help="held-out windows of 256 tokens to score")
     ap.add_argument("--completions", type=int, default=3)
     ap.add_argument("--markdown", help="also write the report to this file")
+    ap.add_argument("--draft", default=str(DEFAULT_DRAFT_DIR), help="draft checkpoint to score")
     args = ap.parse_args()
 
     tok = Tokenizer(DEFAULT_TARGET_DIR)
     target, tcfg = load_model(DEFAULT_TARGET_DIR, torch.float32, pack_cpu_weights=True)
-    draft, dcfg = load_model(DEFAULT_DRAFT_DIR, torch.float32, pack_cpu_weights=True)
+    draft, dcfg = load_model(pathlib.Path(args.draft), torch.float32, pack_cpu_weights=True)
     texts = held_out_texts()
     ids: list[int] = []
     for _, text in texts:
@@ -91,8 +92,20 @@ def main() -> None:
         # training, so a prompt ending in a bare "\n" would sit on an unnatural token boundary.
         for m in re.finditer(r"^def [a-z_][a-z0-9_]*\([^)\n]*\):\n    \"\"\"[^\n]*\"\"\"$", text, re.M):
             headers.append(m.group(0))
-    step = max(1, len(headers) // max(args.completions, 1))
     llm = LLM(dtype="float32", kv_cache_memory_bytes=64 << 20)
+    # Agreement where decoding needs it: on the target's own greedy continuations of held-out
+    # function headers (what a draft sees during speculative decoding).
+    pol = headers[:: max(1, len(headers) // 16)][:16]
+    agree_gen = count_gen = 0
+    for h, out in zip(pol, llm.generate(pol, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True))):
+        seq = [*tok.encode(h), *out.token_ids]
+        n_prompt = len(seq) - len(out.token_ids)
+        tl, dl = window_logits(target, tcfg, seq[:-1]), window_logits(draft, dcfg, seq[:-1])
+        agree_gen += (tl.argmax(-1) == dl.argmax(-1))[n_prompt - 1 :].sum().item()
+        count_gen += len(out.token_ids)
+    lines.append(f"greedy agreement on the target's own continuations ({len(pol)} held-out headers x 128 tokens): "
+                 f"{agree_gen / count_gen:.3f}")
+    step = max(1, len(headers) // max(args.completions, 1))
     comps = []
     for h in headers[::step][: args.completions]:
         out = llm.generate([h], SamplingParams(temperature=0, max_tokens=80, stop=["\n\n\n", "\ndef ", "\nclass "]))[0]

@@ -13,13 +13,20 @@ well under 90 minutes:
 4. Draft: a one-layer Llama with the same tokenizer, trained by distillation: it minimises
    KL(target || draft) on the target's next-token distributions, so that its guesses agree
    with the target's as often as possible (which is what speculative acceptance rewards).
+5. On-policy distillation of the draft: the target (run by tailserve itself) continues
+   prompts taken from the *training* files, greedily and by sampling; the draft goes on
+   minimising KL(target || draft) on a half-and-half mix of those sequences and corpus
+   windows. Decoding puts the draft on the target's own text, which is not quite like
+   human-written code (more repetition, the target's habits); this stage teaches it that
+   text (the idea of DistillSpec, Zhou et al. 2023).
 
 Both are saved in ordinary Hugging Face format (config.json, model.safetensors in bfloat16,
 tokenizer.json, tokenizer_config.json, generation_config.json) under
 ``src/tailserve/assets/``. This script needs ``transformers`` (a test/dev dependency);
 the engine itself never does.
 
-Usage: ``python scripts/train_default_models.py [--out DIR] [--target-steps N] ...``
+Usage: ``python scripts/train_default_models.py [--out DIR] [--target-steps N] ...``;
+``--resume-onpolicy`` runs stage 5 alone on the checkpoints already in ``--out``.
 """
 
 from __future__ import annotations
@@ -141,10 +148,10 @@ def evaluate(model, data: torch.Tensor, n_windows: int = 64) -> float:
     return sum(losses) / len(losses)
 
 
-def train(model, data, held, steps, lr, batch, log, name, teacher=None, seed=0):
+def train(model, data, held, steps, lr, batch, log, name, teacher=None, seed=0, it=None):
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(seed)
-    it = batches(data, batch, gen)
+    it = it if it is not None else batches(data, batch, gen)
     t0 = time.time()
     model.train()
     for step in range(steps):
@@ -177,6 +184,33 @@ def train(model, data, held, steps, lr, batch, log, name, teacher=None, seed=0):
     return held_loss
 
 
+def target_generations(target_dir: pathlib.Path, data: torch.Tensor, n: int, prompt_len: int,
+                       seed: int, log) -> torch.Tensor:
+    """(n, SEQ_LEN + 1) sequences: a corpus prompt of prompt_len tokens continued by the
+    target (tailserve's engine, bf16): two thirds greedy, one third sampled (T=1, top-p 0.95)."""
+    from tailserve import LLM, SamplingParams
+
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, data.numel() - prompt_len, (n,), generator=gen)
+    prompts = [data[s : s + prompt_len].tolist() for s in starts.tolist()]
+    llm = LLM(model=str(target_dir), dtype="bfloat16", max_num_seqs=64, seed=seed)
+    new = SEQ_LEN + 1 - prompt_len
+    greedy = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=new, temperature=1.0, top_p=0.95, ignore_eos=True)
+    t0 = time.time()
+    outs = llm.generate(prompts, [greedy if i % 3 else sampled for i in range(n)])
+    log(f"on-policy data: {n} target continuations of {new} tokens in {time.time() - t0:.0f}s")
+    return torch.tensor([p + list(o.token_ids) for p, o in zip(prompts, outs)], dtype=torch.long)
+
+
+def mixed_batches(data: torch.Tensor, onpolicy: torch.Tensor, batch: int, gen: torch.Generator):
+    """Half corpus windows, half target-generated sequences."""
+    corpus = batches(data, batch - batch // 2, gen)
+    while True:
+        rows = torch.randint(0, onpolicy.shape[0], (batch // 2,), generator=gen)
+        yield torch.cat([next(corpus), onpolicy[rows]])
+
+
 def save(model, tok, out: pathlib.Path, held_files: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model.config.torch_dtype = "bfloat16"
@@ -198,6 +232,10 @@ def main() -> None:
     ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parents[1] / "src/tailserve/assets"))
     ap.add_argument("--target-steps", type=int, default=1600)
     ap.add_argument("--draft-steps", type=int, default=1000)
+    ap.add_argument("--onpolicy-steps", type=int, default=1200)
+    ap.add_argument("--onpolicy-sequences", type=int, default=1536)
+    ap.add_argument("--resume-onpolicy", action="store_true",
+                    help="run only stage 5, on the tokenizer and models already in --out")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -206,6 +244,8 @@ def main() -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log_lines: list[str] = []
+    if args.resume_onpolicy and (out / "training_log.txt").is_file():
+        log_lines = [*(out / "training_log.txt").read_text().splitlines(), "--- stage 5 alone (--resume-onpolicy)"]
     t_start = time.time()
 
     def log(msg: str) -> None:
@@ -221,24 +261,41 @@ def main() -> None:
     train_texts = [read_text(root / r) for r in train_files]
     held_texts = [read_text(root / r) for r in held_files]
 
-    tok = train_tokenizer(train_texts)
+    if args.resume_onpolicy:
+        from tokenizers import Tokenizer
+        from transformers import LlamaForCausalLM
+
+        tok = Tokenizer.from_file(str(out / "default-target" / "tokenizer.json"))
+    else:
+        tok = train_tokenizer(train_texts)
     train_ids = encode_corpus(tok, train_texts)
     held_ids = encode_corpus(tok, held_texts)
     log(f"tokenizer: {tok.get_vocab_size()} entries; "
         f"train {train_ids.numel()} tokens, held-out {held_ids.numel()} tokens")
 
-    target = make_model(TARGET_SHAPE, args.seed)
-    log(f"target: {sum(p.numel() for p in target.parameters()) / 1e6:.2f}M parameters")
-    train(target, train_ids, held_ids, args.target_steps, 2e-3, args.batch, log, "target", seed=args.seed)
-    save(target, tok, out / "default-target", held_files)
-
+    if args.resume_onpolicy:
+        target = LlamaForCausalLM.from_pretrained(out / "default-target", dtype=torch.float32)
+        draft = LlamaForCausalLM.from_pretrained(out / "default-draft", dtype=torch.float32)
+    else:
+        target = make_model(TARGET_SHAPE, args.seed)
+        log(f"target: {sum(p.numel() for p in target.parameters()) / 1e6:.2f}M parameters")
+        train(target, train_ids, held_ids, args.target_steps, 2e-3, args.batch, log, "target", seed=args.seed)
+        save(target, tok, out / "default-target", held_files)
     teacher = target.to(torch.bfloat16).eval()
     for p in teacher.parameters():
         p.requires_grad_(False)
-    draft = make_model(DRAFT_SHAPE, args.seed + 1)
-    log(f"draft: {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M parameters")
-    train(draft, train_ids, held_ids, args.draft_steps, 3e-3, args.batch, log, "draft",
-          teacher=teacher, seed=args.seed + 1)
+    if not args.resume_onpolicy:
+        draft = make_model(DRAFT_SHAPE, args.seed + 1)
+        log(f"draft: {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M parameters")
+        train(draft, train_ids, held_ids, args.draft_steps, 3e-3, args.batch, log, "draft",
+              teacher=teacher, seed=args.seed + 1)
+        save(draft, tok, out / "default-draft", held_files)
+
+    onpolicy = target_generations(out / "default-target", train_ids, args.onpolicy_sequences, 48,
+                                  args.seed + 2, log)
+    gen = torch.Generator().manual_seed(args.seed + 3)
+    train(draft, train_ids, held_ids, args.onpolicy_steps, 1e-3, args.batch, log, "draft on-policy",
+          teacher=teacher, it=mixed_batches(train_ids, onpolicy, args.batch, gen))
     save(draft, tok, out / "default-draft", held_files)
     log(f"done in {(time.time() - t_start) / 60:.1f} minutes")
 

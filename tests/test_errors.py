@@ -163,6 +163,8 @@ def test_bad_sampling_params(kwargs, param):
 @pytest.mark.parametrize("kwargs", [
     dict(block_size=3), dict(max_num_seqs=0), dict(max_num_batched_tokens=-1), dict(dtype="int8"),
     dict(kv_cache_memory_bytes="lots"), dict(device="tpu"), dict(max_model_len=1),
+    dict(speculative_method="hybrid"), dict(speculative_method="eagle"),
+    dict(speculative_model="builtin", speculative_draft_dtype="int4"),
 ])
 def test_bad_engine_config(llama_checkpoint, kwargs):
     path, _ = llama_checkpoint

@@ -24,11 +24,13 @@ def _free_port() -> int:
 
 class ServerProcess:
     def __init__(self, model: str, *flags: str) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port, self.port_h2 = _free_port(), _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"  # HTTP/1.1 (Uvicorn)
+        self.url_h2 = f"http://127.0.0.1:{self.port_h2}"  # h2c (Hypercorn)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tailserve", "serve", "--model", model, "--port", str(self.port),
+             "--http2-port", str(self.port_h2),
              "--dtype", "float32", *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -136,9 +138,20 @@ def test_timing_headers_and_request_id(server):
 
 
 def test_http2_prior_knowledge(server):
+    body = {"prompt": "y = 2", "max_tokens": 3, "temperature": 0}
     with httpx.Client(http1=False, http2=True) as c:
-        r = c.post(server.url + "/v1/completions", json={"prompt": "y = 2", "max_tokens": 3, "temperature": 0})
-    assert r.status_code == 200 and r.http_version == "HTTP/2"
+        r = c.post(server.url_h2 + "/v1/completions", json=body)
+        assert r.status_code == 200 and r.http_version == "HTTP/2"
+        # Streaming over h2 too, and the same greedy text as over HTTP/1.1.
+        with c.stream("POST", server.url_h2 + "/v1/completions", json={**body, "stream": True}) as rs:
+            assert rs.http_version == "HTTP/2"
+            lines = [ln for ln in rs.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    streamed = "".join(c["text"] for ln in lines[:-1] for c in json.loads(ln[6:])["choices"])
+    with httpx.Client() as c:
+        r1 = c.post(server.url + "/v1/completions", json=body)
+    assert r1.http_version == "HTTP/1.1"
+    assert r1.json()["choices"][0]["text"] == r.json()["choices"][0]["text"] == streamed
 
 
 BAD = [
@@ -249,6 +262,10 @@ def test_port_in_use_is_a_one_line_error(server):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert p.stderr.strip() == f"tailserve: error: cannot listen on 127.0.0.1:{server.port}: Address already in use"
+    p = subprocess.run([sys.executable, "-m", "tailserve", "serve", "--port", str(_free_port()),
+                        "--http2-port", str(server.port_h2)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip() == f"tailserve: error: cannot listen on 127.0.0.1:{server.port_h2}: Address already in use"
 
 
 def test_sigterm_stops_the_server_cleanly(llama_checkpoint):

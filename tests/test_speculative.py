@@ -45,6 +45,8 @@ SPEC = {
     "draft_k3": lambda d: dict(speculative_model=d, num_speculative_tokens=3),
     "draft_adaptive": lambda d: dict(speculative_model=d),
     "ngram_k4": lambda d: dict(speculative_method="ngram", num_speculative_tokens=4, ngram_max=3),
+    "hybrid_k3": lambda d: dict(speculative_model=d, speculative_method="hybrid", num_speculative_tokens=3,
+                                ngram_min=2, ngram_max=3),
 }
 MODES = {
     "plain": dict(enable_prefix_caching=False),
@@ -74,6 +76,37 @@ def test_greedy_with_speculation_equals_without(llama_checkpoint, draft_checkpoi
         assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.block_pool.num_used_blocks == 0
     assert sum(o.metrics.spec_num_draft_tokens for o in outs) <= stats.num_draft_tokens
+    if spec.startswith("hybrid"):  # both kinds of drafts were used
+        assert llm.engine.proposer.num_lookup_drafts > 0 and llm.engine.proposer.num_model_drafts > 0
+
+
+def test_prefix_hit_reuses_only_blocks_the_draft_filled(llama_checkpoint, draft_checkpoint):
+    path, _ = llama_checkpoint
+    prompt = _prompts()[2]  # 41 tokens: 2 full blocks of 16
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=4 << 20, speculative_model=str(draft_checkpoint),
+              num_speculative_tokens=3)
+    llm.generate([prompt], GREEDY)
+    eng = llm.engine
+    blocks = eng.block_pool.blocks
+    assert sum(b.draft_filled for b in blocks) >= 2
+    # Same prompt again: the two full prompt blocks are hits and the draft skips them too.
+    eng.add_request(prompt, GREEDY)
+    eng.scheduler.schedule(0)
+    req = next(iter(eng.scheduler.requests.values()))
+    assert req.num_computed_tokens == 32 and req.num_draft_seen == 32
+    # A hit block whose draft K/V was never written (flag cleared) stops the draft's reuse there.
+    eng2 = LLM(str(path), dtype="float32", kv_cache_memory_bytes=4 << 20, speculative_model=str(draft_checkpoint),
+               num_speculative_tokens=3).engine
+    eng2.add_request(prompt, GREEDY)
+    while eng2.has_unfinished_requests():
+        eng2.step()
+    for b in eng2.block_pool.blocks:
+        if b.block_hash is not None and b.token_ids == tuple(prompt[16:32]):
+            b.draft_filled = False
+    eng2.add_request(prompt, GREEDY)
+    eng2.scheduler.schedule(0)
+    req = next(iter(eng2.scheduler.requests.values()))
+    assert req.num_computed_tokens == 32 and req.num_draft_seen == 16
 
 
 def test_target_as_its_own_draft_accepts_everything(llama_checkpoint):
@@ -114,10 +147,12 @@ def _tiny_vocab_model(tmp_path, name, seed):
 
 
 @pytest.mark.slow
-def test_sampled_tokens_match_exact_target_distribution(tmp_path):
+@pytest.mark.parametrize("method", ["draft_model", "hybrid"])
+def test_sampled_tokens_match_exact_target_distribution(tmp_path, method):
     """Temperature 1, top_p 0.9: the first three generated tokens (the second and third come
     from draft proposals verified by rejection sampling) follow the target's own
-    probabilities, computed exactly from its logits."""
+    probabilities, computed exactly from its logits. Hybrid: n-gram (one-hot q) and model
+    drafts mixed in the same batches."""
     from tailserve.engine.sampler import SamplingTensors, filtered_probs
 
     target_path, target = _tiny_vocab_model(tmp_path, "target", seed=0)
@@ -143,7 +178,7 @@ def test_sampled_tokens_match_exact_target_distribution(tmp_path):
 
     llm = LLM(str(target_path), dtype="float32", kv_cache_memory_bytes=64 << 20, max_num_seqs=512,
               max_num_batched_tokens=4096, speculative_model=str(draft_path), num_speculative_tokens=2, seed=123,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, speculative_method=method, ngram_min=1)
     n = 24_000
     counts = torch.zeros(512, dtype=torch.float64)
     for _ in range(n // 2000):
@@ -152,6 +187,8 @@ def test_sampled_tokens_match_exact_target_distribution(tmp_path):
             counts[a * 64 + b * 8 + c] += 1
     assert llm.engine.spec_stats.num_draft_tokens > 0
     assert 0 < llm.engine.spec_stats.acceptance_rate < 1
+    if method == "hybrid":
+        assert llm.engine.proposer.num_lookup_drafts > 0 and llm.engine.proposer.num_model_drafts > 0
     assert chi2_pvalue(counts, exact.reshape(-1)) > 1e-3
 
 
@@ -171,3 +208,18 @@ def test_stop_conditions_inside_an_accepted_run(llama_checkpoint):
     want, got = base.generate([prompt], text_params)[0], spec.generate([prompt], text_params)[0]
     assert got.text == want.text and got.finish_reason == "stop"
     assert spec.engine.block_pool.num_used_blocks == 0
+
+
+def test_draft_runs_in_its_own_dtype(llama_checkpoint, draft_checkpoint):
+    """The draft may run in another dtype than the target (its K/V cache too); greedy output
+    is still exactly the bf16 target's."""
+    path, _ = llama_checkpoint
+    kw = dict(dtype="bfloat16", kv_cache_memory_bytes=4 << 20)
+    ref = [o.token_ids for o in LLM(str(path), **kw).generate(_prompts(), GREEDY)]
+    for draft_dtype, expect in (("auto", torch.bfloat16), ("float32", torch.float32)):
+        llm = LLM(str(path), speculative_model=str(draft_checkpoint), num_speculative_tokens=3,
+                  speculative_draft_dtype=draft_dtype, **kw)
+        prop = llm.engine.proposer
+        assert prop.model.embed_tokens.dtype == expect and prop.kv_caches[0].dtype == expect
+        assert [o.token_ids for o in llm.generate(_prompts(), GREEDY)] == ref
+        assert llm.engine.spec_stats.num_accepted_tokens > 0

@@ -35,10 +35,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--speculative-model", default=None,
                    help="draft checkpoint folder, or 'builtin' for the built-in draft model")
-    s.add_argument("--speculative-method", default=None, choices=["draft_model", "ngram"])
+    s.add_argument("--speculative-method", default=None, choices=["draft_model", "ngram", "hybrid"],
+                   help="hybrid: n-gram lookup where it matches >= --ngram-min tokens, the draft model elsewhere")
     s.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="fixed number of draft tokens per step (default: adaptive)")
     s.add_argument("--speculative-max-tokens", type=int, default=6, help="upper bound for adaptive k")
+    s.add_argument("--speculative-draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the draft model's dtype (auto: the target's)")
     s.add_argument("--ngram-min", type=int, default=1)
     s.add_argument("--ngram-max", type=int, default=4)
 
@@ -52,7 +55,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         seed=args.seed, cpu_onednn=args.cpu_onednn,
         speculative_model=args.speculative_model, speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens, speculative_max_tokens=args.speculative_max_tokens,
-        ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+        speculative_draft_dtype=args.speculative_draft_dtype, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
     )
 
 
@@ -95,11 +98,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from tailserve.engine.llm_engine import LLMEngine
     from tailserve.server.run import check_bindable, run_server
 
+    http2_port = args.port + 1 if args.http2_port is None else args.http2_port
     check_bindable(args.host, args.port)  # fail before spending seconds loading the model
+    if http2_port:
+        check_bindable(args.host, http2_port)
     kw = _engine_kwargs(args)
     engine = LLMEngine(EngineConfig(model=args.model or "builtin", served_model_name=args.served_model_name,
                                     enable_metrics=not args.disable_metrics, **kw))  # type: ignore[arg-type]
-    run_server(engine, host=args.host, port=args.port, api_key=args.api_key,
+    run_server(engine, host=args.host, port=args.port, http2_port=http2_port, api_key=args.api_key,
                max_body_bytes=parse_bytes(args.max_request_body), max_waiting_requests=args.max_waiting_requests,
                access_log=args.access_log)
     return 0
@@ -125,7 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (HTTP/1.1 and h2c)")
     srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--port", type=int, default=8000, help="HTTP/1.1 (Uvicorn)")
+    srv.add_argument("--http2-port", type=int, default=None,
+                     help="cleartext HTTP/2 with prior knowledge, h2c (Hypercorn; also HTTP/1.1); "
+                          "default: --port + 1, 0 = off")
     srv.add_argument("--served-model-name", default=None, help="name in /v1/models (default: the folder's name)")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     srv.add_argument("--max-waiting-requests", type=int, default=256,

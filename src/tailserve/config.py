@@ -65,12 +65,16 @@ class EngineConfig:
     # Name reported by /v1/models and in metric labels (default: the model folder's name).
     served_model_name: str | None = None
     # Speculative decoding. speculative_model: a checkpoint folder or "builtin"; method
-    # "draft_model" (implied by a model) or "ngram". num_speculative_tokens fixes k; without
+    # "draft_model" (implied by a model), "ngram", or "hybrid" (n-gram lookup where it finds
+    # a match of >= ngram_min tokens, the draft model elsewhere). num_speculative_tokens fixes k; without
     # it k is chosen per step (adaptive, up to speculative_max_tokens).
     speculative_model: str | None = None
     speculative_method: str | None = None
     num_speculative_tokens: int | None = None
     speculative_max_tokens: int = 6
+    # The draft model's dtype ("auto" = the target's). Any dtype keeps decoding lossless:
+    # only acceptance depends on q.
+    speculative_draft_dtype: str = "auto"
     ngram_min: int = 1
     ngram_max: int = 4
 
@@ -98,14 +102,17 @@ class EngineConfig:
         method = self.speculative_method
         if method is None and self.speculative_model is not None:
             method = "draft_model"
-        if method not in (None, "draft_model", "ngram"):
-            raise ConfigError(f"speculative_method must be draft_model or ngram, got {method!r}")
-        if method == "draft_model" and not self.speculative_model:
-            raise ConfigError("speculative_method draft_model needs speculative_model (a folder or 'builtin')")
+        if method not in (None, "draft_model", "ngram", "hybrid"):
+            raise ConfigError(f"speculative_method must be draft_model, ngram or hybrid, got {method!r}")
+        if method in ("draft_model", "hybrid") and not self.speculative_model:
+            raise ConfigError(f"speculative_method {method} needs speculative_model (a folder or 'builtin')")
         object.__setattr__(self, "speculative_method", method)
         k = self.num_speculative_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16):
             raise ConfigError(f"num_speculative_tokens must be an integer in [1, 16], got {k!r}")
+        if self.speculative_draft_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError("speculative_draft_dtype must be auto, float32, bfloat16 or float16, "
+                              f"got {self.speculative_draft_dtype!r}")
         if not 1 <= self.speculative_max_tokens <= 16:
             raise ConfigError("speculative_max_tokens must be in [1, 16]")
         if not 1 <= self.ngram_min <= self.ngram_max:

@@ -33,7 +33,7 @@ from tailserve.model.tokenizer import Tokenizer
 from tailserve.outputs import CompletionOutput, RequestOutput
 from tailserve.sampling_params import SamplingParams
 from tailserve.spec.adaptive import AdaptiveSpeculation
-from tailserve.spec.proposer import DraftModelProposer, NgramProposer, ProposalInput
+from tailserve.spec.proposer import DraftModelProposer, HybridProposer, NgramProposer, ProposalInput
 from tailserve.spec.stats import SpecDecodeStats
 
 Prompt = str | list[int]
@@ -78,9 +78,11 @@ class LLMEngine:
         per_block = kv_bytes_per_block(self.arch, config.block_size, self.dtype)
         self.spec_method = config.speculative_method
         draft_model = draft_arch = None
-        if self.spec_method == "draft_model":
+        if self.spec_method in ("draft_model", "hybrid"):
             draft_dir = pathlib.Path(resolve_model_path(config.speculative_model, draft=True))
-            draft_model, draft_arch = load_model(draft_dir, self.dtype, self.device, max_positions=max_len,
+            draft_dtype = (self.dtype if config.speculative_draft_dtype == "auto"
+                           else parse_dtype(config.speculative_draft_dtype))
+            draft_model, draft_arch = load_model(draft_dir, draft_dtype, self.device, max_positions=max_len,
                                                  pack_cpu_weights=config.cpu_onednn)
             if draft_arch.vocab_size != self.arch.vocab_size:
                 raise ConfigError(f"draft model vocabulary ({draft_arch.vocab_size}) differs from the target's "
@@ -89,7 +91,7 @@ class LLMEngine:
                 raise ConfigError(f"draft model context ({draft_arch.max_position_embeddings}) is shorter than "
                                   f"max_model_len {max_len}")
             # One block id addresses both caches, so the byte budget pays for both.
-            per_block += kv_bytes_per_block(draft_arch, config.block_size, self.dtype)
+            per_block += kv_bytes_per_block(draft_arch, config.block_size, draft_dtype)
         num_blocks = config.kv_cache_memory_bytes // per_block
         if num_blocks < 1:
             raise ConfigError(f"kv_cache_memory_bytes {config.kv_cache_memory_bytes} holds no block "
@@ -98,11 +100,15 @@ class LLMEngine:
         self.block_pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, self.block_pool)
         self.runner = ModelRunner(self.model, self.arch, self.kv_caches, config.block_size, self.device, config.seed)
-        self.proposer: DraftModelProposer | NgramProposer | None = None
+        self.proposer: DraftModelProposer | HybridProposer | NgramProposer | None = None
         if draft_model is not None and draft_arch is not None:
-            draft_caches = allocate_kv_caches(draft_arch, num_blocks, config.block_size, self.dtype, self.device)
+            draft_caches = allocate_kv_caches(draft_arch, num_blocks, config.block_size,
+                                              draft_model.embed_tokens.dtype, self.device)
             self.proposer = DraftModelProposer(draft_model, draft_arch, draft_caches, config.block_size, self.device,
                                                self.runner.sampler.generator)
+            if self.spec_method == "hybrid":
+                self.proposer = HybridProposer(self.proposer, NgramProposer(config.ngram_min, config.ngram_max),
+                                               self.arch.vocab_size)
         elif self.spec_method == "ngram":
             self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
         self.spec_controller = AdaptiveSpeculation(k_max=config.num_speculative_tokens or config.speculative_max_tokens,
@@ -215,7 +221,7 @@ class LLMEngine:
             self.runner.forget(sched.finished_ids)
             return []
         params = {s.request_id: self.scheduler.requests[s.request_id].params for s in sched.scheduled}
-        draft_probs = self._draft_probs if isinstance(self.proposer, DraftModelProposer) else None
+        draft_probs = self._draft_probs if isinstance(self.proposer, DraftModelProposer | HybridProposer) else None
         result = self.runner.execute(sched, params, draft_probs)
         t1 = time.perf_counter_ns()
         updates = self.scheduler.update(sched, result, t1)
@@ -257,7 +263,7 @@ class LLMEngine:
         k = self.spec_controller.choose_k(len(decoding))
         if k == 0:
             return  # speculation off this step; a draft model catches up when it is back on
-        is_draft_model = isinstance(self.proposer, DraftModelProposer)
+        uses_draft_model = isinstance(self.proposer, DraftModelProposer | HybridProposer)
         inputs = []
         for req in running:
             if req.spec_token_ids:
@@ -269,7 +275,7 @@ class LLMEngine:
                          self.max_model_len - req.num_tokens - 1)
                 if kk > 0 and not self.scheduler.reserve(req, req.num_tokens + kk):
                     kk = 0
-            if not is_draft_model and kk <= 0:
+            if not uses_draft_model and kk <= 0:
                 continue  # n-gram lookup has nothing to catch up on
             valid = req.num_tokens if in_decode else req.num_computed_tokens
             # The draft can only write K/V into slots the request already owns.
@@ -285,12 +291,22 @@ class LLMEngine:
             req = self.scheduler.requests[inp.request_id]
             req.spec_token_ids = proposal.draft_ids.get(inp.request_id, [])
             req.num_draft_seen = proposal.num_seen.get(inp.request_id, req.num_draft_seen)
+            if uses_draft_model:
+                self._mark_draft_filled(req)
             if proposal.draft_probs is not None and inp.request_id in proposal.draft_probs:
                 self._draft_probs[inp.request_id] = proposal.draft_probs[inp.request_id]
         drafted = sum(1 for i in inputs if i.k > 0)
         if drafted:
             # Per draft token of one request's round: the whole proposal, overheads included.
             self.spec_controller.draft_cost.observe(drafted, (time.perf_counter() - t0) / max(k, 1))
+
+    def _mark_draft_filled(self, req) -> None:
+        """Flag the request's full blocks that now hold the draft's K/V (for prefix hits)."""
+        blocks = self.block_pool.blocks
+        i = min(req.num_draft_seen // self.config.block_size, len(req.block_ids)) - 1
+        while i >= 0 and not blocks[req.block_ids[i]].draft_filled:
+            blocks[req.block_ids[i]].draft_filled = True
+            i -= 1
 
     def _record_step(self, sched, duration_ns: int, preemptions: int, new_tokens: int) -> None:
         running = self.scheduler.running

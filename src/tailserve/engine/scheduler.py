@@ -195,7 +195,11 @@ class Scheduler:
                 self.pool.touch(hits)
                 req.block_ids = list(hits)
                 req.num_computed_tokens = num_computed
-                req.num_draft_seen = num_computed  # cached blocks hold the draft's K/V too
+                # The draft's K/V is reusable for the leading hit blocks that it filled.
+                filled = 0
+                while filled < len(hits) and self.pool.blocks[hits[filled]].draft_filled:
+                    filled += 1
+                req.num_draft_seen = min(num_computed, filled * self.block_size)
                 req.num_registered_blocks = len(hits)
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_computed

@@ -28,6 +28,10 @@ class Block:
     ref_count: int = 0
     block_hash: BlockHash | None = None
     token_ids: tuple[int, ...] | None = None  # set together with block_hash
+    # A draft model (speculative decoding) keeps its own K/V in the same block ids; this says
+    # that all of this block's tokens have the draft's K/V too, so a prefix hit can skip them
+    # in the draft as well. Reset whenever the block is handed out again.
+    draft_filled: bool = False
 
 
 @dataclass
@@ -86,6 +90,7 @@ class BlockPool:
             if block.block_hash is not None:
                 self._evict(block)
             block.ref_count = 1
+            block.draft_filled = False
             out.append(block_id)
         return out
 

@@ -1,18 +1,30 @@
-"""Run the server: Hypercorn (HTTP/1.1 and cleartext HTTP/2, h2c, on one port) on an
-event-loop thread, the engine loop on the main thread (see engine/async_engine.py for why)."""
+"""Run the server: two listeners on one event-loop thread, the engine loop on the main
+thread (see engine/async_engine.py for why).
+
+- HTTP/1.1 on ``--port``: Uvicorn with the httptools parser (and uvloop when installed),
+  the lowest-overhead maintained ASGI server for HTTP/1.1; this is what most clients and
+  gateways speak.
+- Cleartext HTTP/2 with prior knowledge (h2c) on ``--http2-port`` (default: port + 1;
+  0 turns it off): Hypercorn, whose h2 stack Uvicorn lacks. It answers HTTP/1.1 too.
+
+Both serve the same Starlette app and share one event loop, so a request's outputs come
+back the same way whichever listener took it.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import signal
 import socket
 import sys
 import threading
 
-from hypercorn.asyncio import serve
-from hypercorn.config import Config
+import uvicorn
+from hypercorn.asyncio import serve as hypercorn_serve
+from hypercorn.config import Config as HypercornConfig
 
 from tailserve.engine.llm_engine import LLMEngine
 from tailserve.errors import ConfigError
@@ -21,9 +33,19 @@ from tailserve.server.app import Server, build_app
 log = logging.getLogger("tailserve.server")
 
 
-def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-               max_body_bytes: int = 1 << 20, max_waiting_requests: int = 256, access_log: bool = False) -> None:
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000, http2_port: int | None = None,
+               api_key: str | None = None, max_body_bytes: int = 1 << 20, max_waiting_requests: int = 256,
+               access_log: bool = False) -> None:
+    """Serve until SIGINT/SIGTERM. ``http2_port``: None = port + 1, 0 = no h2c listener."""
+    if http2_port is None:
+        http2_port = port + 1
     check_bindable(host, port)
+    if http2_port:
+        check_bindable(host, http2_port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Two Python threads hand work to each other on every token; a shorter GIL switch
     # interval than the default 5 ms keeps each hand-off from waiting that long.
@@ -31,12 +53,16 @@ def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000, api
     server = Server(engine, api_key=api_key, max_body_bytes=max_body_bytes, max_waiting_requests=max_waiting_requests,
                     start_engine_thread=False)
     app = build_app(server)
-    config = Config()
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
-    config.accesslog = "-" if access_log else None
-    config.errorlog = "-"
-    config.keep_alive_timeout = 75
-    config.h2_max_concurrent_streams = 256
+    has_uvloop = importlib.util.find_spec("uvloop") is not None
+    h1 = uvicorn.Server(uvicorn.Config(
+        app, host=host, port=port, http="httptools", loop="none", lifespan="off", access_log=access_log,
+        log_level="warning", timeout_keep_alive=75, server_header=False))
+    h2_config = HypercornConfig()
+    h2_config.bind = [_hostport(host, http2_port)]
+    h2_config.accesslog = "-" if access_log else None
+    h2_config.errorlog = "-"
+    h2_config.keep_alive_timeout = 75
+    h2_config.h2_max_concurrent_streams = 256
 
     ready = threading.Event()
     state: dict[str, object] = {}
@@ -46,12 +72,36 @@ def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000, api
         stop = asyncio.Event()
         state["loop"], state["stop"] = asyncio.get_running_loop(), stop
         ready.set()
-        log.info("serving %s on http://%s:%d (HTTP/1.1 and h2c)", server.model_name, host, port)
-        await serve(app, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+
+        async def h1_main() -> None:
+            await h1.serve()
+            if not h1.started:  # bind failed: uvicorn logs and returns instead of raising
+                raise OSError(f"cannot listen on {host}:{port}")
+
+        async def h1_stopper() -> None:
+            await stop.wait()
+            h1.should_exit = True
+
+        tasks = [h1_main(), h1_stopper()]
+        if http2_port:
+            tasks.append(hypercorn_serve(app, h2_config, shutdown_trigger=stop.wait))  # type: ignore[arg-type]
+        log.info("serving %s on http://%s (HTTP/1.1)%s", server.model_name, _hostport(host, port),
+                 f" and http://{_hostport(host, http2_port)} (h2c, HTTP/1.1)" if http2_port else "")
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            stop.set()
 
     def http_thread() -> None:
         try:
-            asyncio.run(serve_http())
+            # Uvicorn's own signal handlers only install on the main thread, which the
+            # engine owns; run_server() handles SIGINT/SIGTERM itself.
+            if has_uvloop:
+                import uvloop
+
+                uvloop.run(serve_http())
+            else:
+                asyncio.run(serve_http())
         except BaseException as e:  # e.g. the port is taken: report it and stop the engine loop
             failure.append(e)
             ready.set()

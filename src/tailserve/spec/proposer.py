@@ -135,7 +135,9 @@ class DraftModelProposer:
                             self.kv_caches, meta)
         if not rows:
             return None
-        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        if len(rows) < len(ids):
+            hidden = hidden[torch.tensor(rows, device=self.device)]
+        return self.model.compute_logits(hidden)
 
     def _sample_into(self, active: list[ProposalInput], logits: torch.Tensor | None,
                      drafts: dict[str, list[int]], probs: dict[str, list[torch.Tensor]]) -> None:
@@ -154,3 +156,46 @@ class DraftModelProposer:
         for row, (i, tok) in enumerate(zip(active, tokens)):
             drafts[i.request_id].append(tok)
             probs[i.request_id].append(q[row])
+
+
+class HybridProposer:
+    """Prompt lookup first, the draft model where lookup finds nothing.
+
+    For each drafting request, an n-gram match of at least ``ngram_min`` tokens supplies
+    the drafts (free, and long runs in repetitive text such as code); the other requests
+    draft with the model. A request drafted by lookup skips the draft model this round:
+    the model catches up on its tokens lazily, in one multi-token forward, the next time it
+    drafts for it. Lookup drafts go to the rejection sampler with a one-hot q, so sampling
+    stays exact in a batch that mixes both kinds.
+    """
+
+    def __init__(self, draft: DraftModelProposer, ngram: NgramProposer, vocab_size: int) -> None:
+        self.draft, self.ngram, self.vocab_size = draft, ngram, vocab_size
+        self.num_lookup_drafts = 0  # rounds drafted by lookup (for benchmarks and tests)
+        self.num_model_drafts = 0  # rounds drafted by the model
+
+    def propose(self, inputs: list[ProposalInput]) -> Proposal:
+        looked_up: dict[str, list[int]] = {}
+        rest = []
+        for i in inputs:
+            if i.k > 0:
+                d = self.ngram.propose_one(i.all_token_ids[: i.num_valid], i.k)
+                if d:
+                    looked_up[i.request_id] = d
+                    continue
+            rest.append(i)
+        proposal = self.draft.propose(rest) if rest else Proposal({}, {}, {})
+        self.num_lookup_drafts += len(looked_up)
+        self.num_model_drafts += sum(1 for i in rest if i.k > 0)
+        probs = dict(proposal.draft_probs or {})
+        for i in inputs:
+            d = looked_up.get(i.request_id)
+            if d is None:
+                continue
+            proposal.draft_ids[i.request_id] = d
+            proposal.num_seen[i.request_id] = i.num_seen  # the model has not seen these tokens yet
+            if not i.params.greedy:
+                q = torch.zeros((len(d), self.vocab_size), device=self.draft.device)
+                q[torch.arange(len(d)), torch.tensor(d)] = 1.0
+                probs[i.request_id] = q
+        return Proposal(proposal.draft_ids, probs, proposal.num_seen)
