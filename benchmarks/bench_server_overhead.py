@@ -142,12 +142,13 @@ def main() -> None:
         over_http(url, prompts[:3], args.max_tokens, http2=False)
         over_http(url_h2, prompts[:3], args.max_tokens, http2=True)
         raw_http11("127.0.0.1", port, prompts[:3], args.max_tokens)
-        with httpx.Client(http1=True, http2=False) as c:
-            rtt = []
-            for _ in range(args.requests * 3):
-                t0 = time.perf_counter()
-                c.get(url + "/health")
-                rtt.append(time.perf_counter() - t0)
+        rtt: dict[str, list[float]] = {"HTTP/1.1": [], "h2c": []}
+        for name, base, h2 in (("HTTP/1.1", url, False), ("h2c", url_h2, True)):
+            with httpx.Client(http1=not h2, http2=h2) as c:
+                for _ in range(args.requests * 3):
+                    t0 = time.perf_counter()
+                    c.get(base + "/health")
+                    rtt[name].append(time.perf_counter() - t0)
         rows = {
             "in-process engine": in_process(llm, prompts, args.max_tokens),
             "HTTP/1.1 raw socket": raw_http11("127.0.0.1", port, prompts, args.max_tokens),
@@ -157,7 +158,8 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    print(f"bare HTTP/1.1 round trip (GET /health, client included): {statistics.median(rtt) * 1e3:.3f} ms")
+    for name, ts in rtt.items():
+        print(f"bare {name} round trip with httpx (GET /health, client included): {statistics.median(ts) * 1e3:.3f} ms")
     base_ttft = statistics.median(rows["in-process engine"][0])
     base_tpot = statistics.median(rows["in-process engine"][1])
     print(f"{'path':<22}{'TTFT p50 ms':>12}{'added ms':>10}{'TPOT p50 ms':>13}{'added ms':>10}")

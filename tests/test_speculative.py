@@ -223,3 +223,30 @@ def test_draft_runs_in_its_own_dtype(llama_checkpoint, draft_checkpoint):
         assert prop.model.embed_tokens.dtype == expect and prop.kv_caches[0].dtype == expect
         assert [o.token_ids for o in llm.generate(_prompts(), GREEDY)] == ref
         assert llm.engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_draft_chain_fast_path_matches_the_general_forward(llama_checkpoint, draft_checkpoint):
+    """The draft chain's single-token steps use per-round slot tables (decode_metadata);
+    their logits must equal the general metadata path's, with ragged contexts in one batch."""
+    from tailserve.spec.proposer import ProposalInput
+
+    path, _ = llama_checkpoint
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=4 << 20, speculative_model=str(draft_checkpoint),
+              num_speculative_tokens=4)
+    prop = llm.engine.proposer
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (21, 40, 7)]
+    tables = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    prop._forward(seqs, [0, 0, 0], tables, [False] * 3)  # fill the draft's cache
+    inputs = [ProposalInput(f"r{j}", s, len(s), len(s), t, 4, GREEDY, None)
+              for j, (s, t) in enumerate(zip(seqs, tables))]
+    chain = prop._chain_slots(inputs, 1)
+    drafts = {f"r{j}": [11 + j] for j in range(3)}
+    fast = prop._chain_forward(inputs, chain, 1, drafts)
+    ref = prop._forward([[11 + j] for j in range(3)], [len(s) for s in seqs], tables, [True] * 3)
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+    # A subset of the rows (one request stopped drafting), second step of the chain.
+    drafts = {rid: [*d, 5] for rid, d in drafts.items()}
+    fast = prop._chain_forward(inputs[1:], chain, 2, drafts)
+    ref = prop._forward([[5], [5]], [len(s) + 1 for s in seqs[1:]], tables[1:], [True, True])
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)

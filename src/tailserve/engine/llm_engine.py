@@ -303,10 +303,10 @@ class LLMEngine:
     def _mark_draft_filled(self, req) -> None:
         """Flag the request's full blocks that now hold the draft's K/V (for prefix hits)."""
         blocks = self.block_pool.blocks
-        i = min(req.num_draft_seen // self.config.block_size, len(req.block_ids)) - 1
-        while i >= 0 and not blocks[req.block_ids[i]].draft_filled:
+        n = min(req.num_draft_seen // self.config.block_size, len(req.block_ids))
+        for i in range(req.num_draft_marked, n):
             blocks[req.block_ids[i]].draft_filled = True
-            i -= 1
+        req.num_draft_marked = max(req.num_draft_marked, n)
 
     def _record_step(self, sched, duration_ns: int, preemptions: int, new_tokens: int) -> None:
         running = self.scheduler.running

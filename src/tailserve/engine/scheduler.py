@@ -143,7 +143,7 @@ class Scheduler:
         self.pool.free(req.block_ids)
         req.block_ids = []
         req.spec_token_ids = []
-        req.num_draft_seen = 0
+        req.num_draft_seen = req.num_draft_marked = 0
         req.num_registered_blocks = 0
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
@@ -200,6 +200,7 @@ class Scheduler:
                 while filled < len(hits) and self.pool.blocks[hits[filled]].draft_filled:
                     filled += 1
                 req.num_draft_seen = min(num_computed, filled * self.block_size)
+                req.num_draft_marked = 0
                 req.num_registered_blocks = len(hits)
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_computed

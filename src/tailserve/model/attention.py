@@ -121,6 +121,21 @@ def _build_group(ids, query_lens, context_lens, block_tables, block_size, starts
     )
 
 
+def decode_metadata(slot_mapping: torch.Tensor, kv_slots: torch.Tensor,
+                    context_lens: torch.Tensor | None) -> AttentionMetadata:
+    """Metadata for a batch of B single-token decodes whose context slots are already known:
+    ``kv_slots`` (B, C); ``context_lens`` (B,) when the rows' contexts differ (the rest of
+    each row is masked), None when every row uses all C slots. The speculative draft chain
+    builds it from slot tables computed once per round instead of from block tables."""
+    b, c = kv_slots.shape
+    mask = None
+    if context_lens is not None:
+        mask = (torch.arange(c, device=kv_slots.device)[None, :] < context_lens[:, None]).view(b, 1, 1, c)
+    group = AttentionGroup(q_index=slot_mapping, kv_slots=kv_slots, mask=mask, num_seqs=b, max_query_len=1,
+                           valid=None, covers_batch=True)  # q_index is unused when covers_batch
+    return AttentionMetadata(slot_mapping=slot_mapping, groups=[group], num_tokens=b)
+
+
 def paged_attention(
     q: torch.Tensor,  # (T, H, D)
     k: torch.Tensor,  # (T, KVH, D)
@@ -145,7 +160,7 @@ def paged_attention(
     for g in meta.groups:
         b, qlen = g.num_seqs, g.max_query_len
         qg = q if g.covers_batch else q.index_select(0, g.q_index)
-        slots = g.kv_slots.view(-1)
+        slots = g.kv_slots.reshape(-1)  # a view unless sliced from a wider slot table
         kg = k_cache.index_select(0, slots)  # (B*C, KVH, D)
         vg = v_cache.index_select(0, slots)
         if upcast:

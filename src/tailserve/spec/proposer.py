@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from tailserve.engine.sampler import SamplingTensors, exponential_noise, fast_argmax, filtered_probs
-from tailserve.model.attention import build_attention_metadata
+from tailserve.model.attention import build_attention_metadata, decode_metadata
 from tailserve.model.config import ModelArchConfig
 from tailserve.model.llama import LlamaFamilyModel
 from tailserve.sampling_params import SamplingParams
@@ -104,21 +104,61 @@ class DraftModelProposer:
             seen[i.request_id] = i.num_valid
         active = [i for i in catch_up if i.k > 0 and i.num_valid == len(i.all_token_ids)]
         self._sample_into(active, logits, drafts, probs)
-        # 2. k-1 more single-token forwards for the requests still drafting.
+        # 2. k-1 more single-token forwards for the requests still drafting. Their context
+        #    slots are computed once for the whole chain; each step slices them.
         step = 1
+        chain = None
         while True:
             active = [i for i in active if i.k > step]
             if not active:
                 break
-            logits = self._forward([[drafts[i.request_id][-1]] for i in active],
-                                   [len(i.all_token_ids) + step - 1 for i in active],
-                                   [i.block_ids for i in active], sample_last=[True] * len(active))
+            if chain is None:
+                chain = self._chain_slots(active, step)
+            logits = self._chain_forward(active, chain, step, drafts)
             self._sample_into(active, logits, drafts, probs)
             step += 1
         # The chain wrote K/V for drafts 1..k-1; they become "seen" only once accepted, which
         # the engine reports back through num_seen on the next round.
         out_probs = {rid: torch.stack(ps) for rid, ps in probs.items() if ps}
         return Proposal(drafts, out_probs, seen)
+
+    def _chain_slots(self, active: list[ProposalInput], step: int):
+        """(ids, slot table (B, C_max) tensor, per-row slot lists, context lengths at step 0)
+        for the chain's remaining single-token steps."""
+        bs = self.block_size
+        rows, lens = [], []
+        for i in active:
+            n = len(i.all_token_ids)
+            table = i.block_ids
+            rows.append([table[pos // bs] * bs + pos % bs for pos in range(n + i.k - 1)])
+            lens.append(n)
+        width = max(len(r) for r in rows)
+        padded = [r + [0] * (width - len(r)) for r in rows]
+        return ([i.request_id for i in active], torch.tensor(padded, dtype=torch.long, device=self.device),
+                rows, lens)
+
+    def _chain_forward(self, active: list[ProposalInput], chain, step: int,
+                       drafts: dict[str, list[int]]) -> torch.Tensor:
+        ids, table, rows, lens = chain
+        row_of = {rid: r for r, rid in enumerate(ids)}
+        sel = [row_of[i.request_id] for i in active]
+        ctx = [lens[r] + step for r in sel]  # context after this step's token
+        width = max(ctx)
+        if len(sel) == len(ids):
+            kv_slots = table[:, :width]
+        else:
+            kv_slots = table[torch.tensor(sel, device=self.device), :width]
+        slot_mapping = torch.tensor([rows[r][c - 1] for r, c in zip(sel, ctx)], dtype=torch.long, device=self.device)
+        uniform = all(c == width for c in ctx) and self.arch.sliding_window is None
+        if not uniform and self.arch.sliding_window is not None:
+            # Rare (draft with a sliding window and ragged contexts): the general builder.
+            return self._forward([[drafts[i.request_id][-1]] for i in active], [c - 1 for c in ctx],
+                                 [i.block_ids for i in active], sample_last=[True] * len(active))
+        meta = decode_metadata(slot_mapping, kv_slots,
+                               None if uniform else torch.tensor(ctx, dtype=torch.long, device=self.device))
+        tokens = torch.tensor([drafts[i.request_id][-1] for i in active], device=self.device)
+        positions = torch.tensor([c - 1 for c in ctx], device=self.device)
+        return self.model.compute_logits(self.model(tokens, positions, self.kv_caches, meta))
 
     def _forward(self, token_lists: list[list[int]], starts: list[int], tables: list[list[int]],
                  sample_last: list[bool]) -> torch.Tensor | None:
