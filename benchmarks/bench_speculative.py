@@ -3,11 +3,11 @@
 Prompts: function headers (+ docstring line) from held-out standard-library files. Batch 1,
 --new-tokens new tokens (greedy, length forced). decode tok/s = (N - 1) / (t(N) - t(1)),
 median over prompts and runs. Rows: speculation off; draft model with k = 2..6 and
-adaptive; n-gram lookup; transformers' plain generate and its assisted generation with
-the same pair (its own speed-up, same run). Also: the measured cost ratio of one draft
+adaptive; n-gram lookup; hybrid (lookup, else the draft); transformers' plain generate and
+its assisted generation with the same pair (its own speed-up, same run). Also: the measured cost ratio of one draft
 forward to one target forward, and batch-16 throughput with adaptive speculation vs off.
 
-    python benchmarks/bench_speculative.py [--runs 3] [--prompts 4] [--new-tokens 256] [--skip-hf]
+    python benchmarks/bench_speculative.py [--runs 2] [--prompts 8] [--new-tokens 256] [--skip-hf]
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ def interleaved_decode_tps(runners: dict, prompts: list, new: int, runs: int) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--skip-hf", action="store_true")

@@ -240,13 +240,15 @@ def test_draft_chain_fast_path_matches_the_general_forward(llama_checkpoint, dra
     prop._forward(seqs, [0, 0, 0], tables, [False] * 3)  # fill the draft's cache
     inputs = [ProposalInput(f"r{j}", s, len(s), len(s), t, 4, GREEDY, None)
               for j, (s, t) in enumerate(zip(seqs, tables))]
-    chain = prop._chain_slots(inputs, 1)
-    drafts = {f"r{j}": [11 + j] for j in range(3)}
-    fast = prop._chain_forward(inputs, chain, 1, drafts)
+    chain = prop._chain_slots(inputs)
+    fast = prop._chain_forward(inputs, chain, 1, [11, 12, 13])
     ref = prop._forward([[11 + j] for j in range(3)], [len(s) for s in seqs], tables, [True] * 3)
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
     # A subset of the rows (one request stopped drafting), second step of the chain.
-    drafts = {rid: [*d, 5] for rid, d in drafts.items()}
-    fast = prop._chain_forward(inputs[1:], chain, 2, drafts)
+    fast = prop._chain_forward(inputs[1:], chain, 2, [5, 5])
     ref = prop._forward([[5], [5]], [len(s) + 1 for s in seqs[1:]], tables[1:], [True, True])
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+    # Step 0: the catch-up of each sequence's last token (its K/V rewritten with the same values).
+    fast = prop._chain_forward(inputs, chain, 0, [s[-1] for s in seqs])
+    ref = prop._forward([[s[-1]] for s in seqs], [len(s) - 1 for s in seqs], tables, [True] * 3)
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)

@@ -19,6 +19,7 @@ import torch
 from tailserve.sampling_params import SamplingParams
 
 _ARGMAX_CHUNK = 128
+_PLAIN_ARGMAX_MAX = 24 * 1024
 
 
 def fast_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -26,10 +27,12 @@ def fast_argmax(x: torch.Tensor) -> torch.Tensor:
 
     PyTorch's CPU argmax over a large vocabulary is slow (measured: 230 us for 16 x 32000
     fp32) while ``amax`` is vectorised (17 us), so take the max of 128-wide chunks, pick the
-    first chunk holding the maximum, then the first maximum inside it.
+    first chunk holding the maximum, then the first maximum inside it. Below ~24k elements
+    (a few rows of a small vocabulary) the plain argmax wins: measured 5 us vs 32 us for
+    1 x 4096, 19 vs 22 for 5 x 4096, 35 vs 27 for 16 x 4096, 31 vs 20 for 1 x 32000.
     """
     n, v = x.shape
-    if x.device.type != "cpu" or v % _ARGMAX_CHUNK or v < 4 * _ARGMAX_CHUNK:
+    if x.device.type != "cpu" or v % _ARGMAX_CHUNK or v < 4 * _ARGMAX_CHUNK or n * v <= _PLAIN_ARGMAX_MAX:
         return x.argmax(dim=-1)
     chunks = x.view(n, v // _ARGMAX_CHUNK, _ARGMAX_CHUNK)
     best = chunks.amax(dim=-1).argmax(dim=-1)  # (N,)

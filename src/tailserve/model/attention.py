@@ -168,6 +168,10 @@ def paged_attention(
         qg = qg.view(b, qlen, h, d).transpose(1, 2)  # (B, H, Q, D)
         kg = kg.view(b, -1, kvh, d).transpose(1, 2)  # (B, KVH, C, D)
         vg = vg.view(b, -1, kvh, d).transpose(1, 2)
+        if g.mask is not None and g.mask.dtype == torch.bool:
+            # SDPA turns a boolean mask into an additive one on every call; do it once per
+            # step (the first layer) and let the other layers reuse it.
+            g.mask = torch.zeros(g.mask.shape, dtype=qg.dtype, device=qg.device).masked_fill_(~g.mask, float("-inf"))
         og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=gqa)
         og = og.transpose(1, 2).reshape(b * qlen, h * d).to(q.dtype)  # (B*Q, H*D)
         if g.covers_batch:

@@ -96,10 +96,17 @@ class DraftModelProposer:
             return Proposal(drafts, {}, seen)
         # 1. Catch-up forward: every request's unseen tokens; sample the first draft of the
         #    requests whose sequence ends here (num_valid == all tokens) and that want k >= 1.
-        logits = self._forward(
-            [i.all_token_ids[i.num_seen : i.num_valid] for i in catch_up],
-            [i.num_seen for i in catch_up], [i.block_ids for i in catch_up],
-            sample_last=[i.k > 0 and i.num_valid == len(i.all_token_ids) for i in catch_up])
+        #    The usual case after a rejection, one new token (the bonus) per drafting request,
+        #    takes the chain's single-token path.
+        chain = None
+        if all(i.num_valid - i.num_seen == 1 and i.k > 0 and i.num_valid == len(i.all_token_ids) for i in catch_up):
+            chain = self._chain_slots(catch_up)
+            logits = self._chain_forward(catch_up, chain, 0, [i.all_token_ids[-1] for i in catch_up])
+        else:
+            logits = self._forward(
+                [i.all_token_ids[i.num_seen : i.num_valid] for i in catch_up],
+                [i.num_seen for i in catch_up], [i.block_ids for i in catch_up],
+                sample_last=[i.k > 0 and i.num_valid == len(i.all_token_ids) for i in catch_up])
         for i in catch_up:
             seen[i.request_id] = i.num_valid
         active = [i for i in catch_up if i.k > 0 and i.num_valid == len(i.all_token_ids)]
@@ -107,14 +114,13 @@ class DraftModelProposer:
         # 2. k-1 more single-token forwards for the requests still drafting. Their context
         #    slots are computed once for the whole chain; each step slices them.
         step = 1
-        chain = None
         while True:
             active = [i for i in active if i.k > step]
             if not active:
                 break
             if chain is None:
-                chain = self._chain_slots(active, step)
-            logits = self._chain_forward(active, chain, step, drafts)
+                chain = self._chain_slots(active)
+            logits = self._chain_forward(active, chain, step, [drafts[i.request_id][-1] for i in active])
             self._sample_into(active, logits, drafts, probs)
             step += 1
         # The chain wrote K/V for drafts 1..k-1; they become "seen" only once accepted, which
@@ -122,9 +128,10 @@ class DraftModelProposer:
         out_probs = {rid: torch.stack(ps) for rid, ps in probs.items() if ps}
         return Proposal(drafts, out_probs, seen)
 
-    def _chain_slots(self, active: list[ProposalInput], step: int):
-        """(ids, slot table (B, C_max) tensor, per-row slot lists, context lengths at step 0)
-        for the chain's remaining single-token steps."""
+    def _chain_slots(self, active: list[ProposalInput]):
+        """(ids, slot table (B, C_max) tensor, per-row slot lists, sequence lengths) for a
+        round's single-token steps: step s feeds position len + s - 1 (s = 0 is the catch-up
+        of the last token, s >= 1 the drafts)."""
         bs = self.block_size
         rows, lens = [], []
         for i in active:
@@ -137,8 +144,7 @@ class DraftModelProposer:
         return ([i.request_id for i in active], torch.tensor(padded, dtype=torch.long, device=self.device),
                 rows, lens)
 
-    def _chain_forward(self, active: list[ProposalInput], chain, step: int,
-                       drafts: dict[str, list[int]]) -> torch.Tensor:
+    def _chain_forward(self, active: list[ProposalInput], chain, step: int, tokens: list[int]) -> torch.Tensor:
         ids, table, rows, lens = chain
         row_of = {rid: r for r, rid in enumerate(ids)}
         sel = [row_of[i.request_id] for i in active]
@@ -152,13 +158,13 @@ class DraftModelProposer:
         uniform = all(c == width for c in ctx) and self.arch.sliding_window is None
         if not uniform and self.arch.sliding_window is not None:
             # Rare (draft with a sliding window and ragged contexts): the general builder.
-            return self._forward([[drafts[i.request_id][-1]] for i in active], [c - 1 for c in ctx],
+            return self._forward([[t] for t in tokens], [c - 1 for c in ctx],
                                  [i.block_ids for i in active], sample_last=[True] * len(active))
         meta = decode_metadata(slot_mapping, kv_slots,
                                None if uniform else torch.tensor(ctx, dtype=torch.long, device=self.device))
-        tokens = torch.tensor([drafts[i.request_id][-1] for i in active], device=self.device)
+        ids_t = torch.tensor(tokens, device=self.device)
         positions = torch.tensor([c - 1 for c in ctx], device=self.device)
-        return self.model.compute_logits(self.model(tokens, positions, self.kv_caches, meta))
+        return self.model.compute_logits(self.model(ids_t, positions, self.kv_caches, meta))
 
     def _forward(self, token_lists: list[list[int]], starts: list[int], tables: list[list[int]],
                  sample_last: list[bool]) -> torch.Tensor | None:
