@@ -225,14 +225,20 @@ def test_draft_runs_in_its_own_dtype(llama_checkpoint, draft_checkpoint):
         assert llm.engine.spec_stats.num_accepted_tokens > 0
 
 
-def test_draft_chain_fast_path_matches_the_general_forward(llama_checkpoint, draft_checkpoint):
+@pytest.mark.parametrize("window", [None, 8])
+def test_draft_chain_fast_path_matches_the_general_forward(llama_checkpoint, draft_checkpoint, tmp_path, window):
     """The draft chain's single-token steps use per-round slot tables (decode_metadata);
-    their logits must equal the general metadata path's, with ragged contexts in one batch."""
+    their logits must equal the general metadata path's, with ragged contexts in one batch.
+    A sliding-window draft (window 8, shorter than the contexts) takes the general path."""
     from tailserve.spec.proposer import ProposalInput
 
     path, _ = llama_checkpoint
-    llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=4 << 20, speculative_model=str(draft_checkpoint),
+    draft = draft_checkpoint
+    if window is not None:
+        draft = save_checkpoint(build_hf_model("mistral", seed=5, sliding_window=window), tmp_path / "swa_draft")
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=4 << 20, speculative_model=str(draft),
               num_speculative_tokens=4)
+    assert llm.engine.proposer.arch.sliding_window == window
     prop = llm.engine.proposer
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (21, 40, 7)]

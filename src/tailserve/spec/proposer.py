@@ -149,17 +149,17 @@ class DraftModelProposer:
         row_of = {rid: r for r, rid in enumerate(ids)}
         sel = [row_of[i.request_id] for i in active]
         ctx = [lens[r] + step for r in sel]  # context after this step's token
+        if self.arch.sliding_window is not None:
+            # decode_metadata has no window: a sliding-window draft takes the general builder.
+            return self._forward([[t] for t in tokens], [c - 1 for c in ctx],
+                                 [i.block_ids for i in active], sample_last=[True] * len(active))
         width = max(ctx)
         if len(sel) == len(ids):
             kv_slots = table[:, :width]
         else:
             kv_slots = table[torch.tensor(sel, device=self.device), :width]
         slot_mapping = torch.tensor([rows[r][c - 1] for r, c in zip(sel, ctx)], dtype=torch.long, device=self.device)
-        uniform = all(c == width for c in ctx) and self.arch.sliding_window is None
-        if not uniform and self.arch.sliding_window is not None:
-            # Rare (draft with a sliding window and ragged contexts): the general builder.
-            return self._forward([[t] for t in tokens], [c - 1 for c in ctx],
-                                 [i.block_ids for i in active], sample_last=[True] * len(active))
+        uniform = all(c == width for c in ctx)
         meta = decode_metadata(slot_mapping, kv_slots,
                                None if uniform else torch.tensor(ctx, dtype=torch.long, device=self.device))
         ids_t = torch.tensor(tokens, device=self.device)
