@@ -27,9 +27,9 @@ the engine itself never does.
 
 Usage: ``python scripts/train_default_models.py [--out DIR] [--target-steps N] ...``;
 ``--resume-onpolicy`` runs stage 5 alone on the checkpoints already in ``--out``. The
-shipped draft came from stage 5 run as two resumed rounds, ``--resume-onpolicy
---onpolicy-rounds 1`` with ``--seed 0`` and then ``--seed 1`` (the same seeds as one
-two-round run; between them the draft was saved in bfloat16 and reloaded).
+shipped draft came from stage 5 run as three resumed rounds, ``--resume-onpolicy
+--onpolicy-rounds 1`` with ``--seed 0``, ``1`` and ``2`` (the same seeds as one three-round
+run; between them the draft was saved in bfloat16 and reloaded).
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parents[1] / "src/tailserve/assets"))
     ap.add_argument("--target-steps", type=int, default=1600)
     ap.add_argument("--draft-steps", type=int, default=1000)
-    ap.add_argument("--onpolicy-rounds", type=int, default=2)
+    ap.add_argument("--onpolicy-rounds", type=int, default=3)
     ap.add_argument("--onpolicy-steps", type=int, default=1500, help="per round")
     ap.add_argument("--onpolicy-sequences", type=int, default=1536)
     ap.add_argument("--resume-onpolicy", action="store_true",
