@@ -106,22 +106,19 @@ class RejectionSampler:
             if d:
                 ids[i, : len(d)] = torch.tensor(d, dtype=torch.long, device=device)
         q = None
-        if draft_probs is not None and not st.all_greedy:
+        if draft_probs is not None:
             q = torch.zeros((bsz, kmax, v), device=device)
             for i, dp in enumerate(draft_probs):
                 if dp is not None and dp.shape[0]:
                     q[i, : dp.shape[0]] = dp
-        if st.all_greedy:
-            num_acc, final = _greedy_only(ids, nd, argmax)
-        else:
-            uniform = torch.rand((bsz, kmax), generator=self.generator, device=device)
-            noise = torch.empty((bsz, v), device=device).exponential_(generator=self.generator)
-            for i, g in enumerate(generators):
-                if g is not None:
-                    uniform[i] = torch.rand((kmax,), generator=g, device=device)
-                    noise[i].exponential_(generator=g)
-            target_probs = filtered_probs(target_logits, st.repeat_rows(counts))[row_idx]  # (B, K+1, V)
-            num_acc, final = rejection_sample_probs(target_probs, q, ids, nd, st.greedy, argmax, uniform, noise)
+        uniform = torch.rand((bsz, kmax), generator=self.generator, device=device)
+        noise = torch.empty((bsz, v), device=device).exponential_(generator=self.generator)
+        for i, g in enumerate(generators):
+            if g is not None:
+                uniform[i] = torch.rand((kmax,), generator=g, device=device)
+                noise[i].exponential_(generator=g)
+        target_probs = filtered_probs(target_logits, st.repeat_rows(counts))[row_idx]  # (B, K+1, V)
+        num_acc, final = rejection_sample_probs(target_probs, q, ids, nd, st.greedy, argmax, uniform, noise)
         out = []
         for i, (m, f) in enumerate(zip(num_acc.tolist(), final.tolist())):
             out.append([*draft_ids[i][:m], f])
@@ -140,11 +137,3 @@ def _greedy_rows(target_logits: torch.Tensor, num_drafts: list[int], draft_ids: 
         out.append([*drafts[:m], argmax[row + m]])
         row += k + 1
     return out
-
-
-def _greedy_only(ids: torch.Tensor, nd: torch.Tensor, argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    k = ids.shape[1]
-    valid = torch.arange(k, device=ids.device)[None, :] < nd[:, None]
-    accept = (ids == argmax[:, :k]) & valid
-    num_acc = accept.long().cumprod(dim=1).sum(dim=1)
-    return num_acc, argmax[torch.arange(ids.shape[0], device=ids.device), num_acc]
