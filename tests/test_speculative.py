@@ -227,8 +227,9 @@ def test_draft_runs_in_its_own_dtype(llama_checkpoint, draft_checkpoint):
 
 @pytest.mark.parametrize("window", [None, 8])
 def test_draft_chain_fast_path_matches_the_general_forward(llama_checkpoint, draft_checkpoint, tmp_path, window):
-    """The draft chain's single-token steps use per-round slot tables (decode_metadata);
-    their logits must equal the general metadata path's, with ragged contexts in one batch.
+    """The draft chain's steps (single tokens, and catch-ups of two tokens per row) use
+    per-round slot tables (decode_metadata); their logits must equal the general metadata
+    path's, with ragged contexts in one batch.
     A sliding-window draft (window 8, shorter than the contexts) takes the general path."""
     from tailserve.spec.proposer import ProposalInput
 
@@ -257,4 +258,13 @@ def test_draft_chain_fast_path_matches_the_general_forward(llama_checkpoint, dra
     # Step 0: the catch-up of each sequence's last token (its K/V rewritten with the same values).
     fast = prop._chain_forward(inputs, chain, 0, [s[-1] for s in seqs])
     ref = prop._forward([[s[-1]] for s in seqs], [len(s) - 1 for s in seqs], tables, [True] * 3)
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+    # Step 0 with two tokens per row (the catch-up after a fully accepted round): causal
+    # within each row's pair; logits of each row's last token.
+    fast = prop._chain_forward(inputs, chain, 0, [t for s in seqs for t in s[-2:]], 2)
+    ref = prop._forward([s[-2:] for s in seqs], [len(s) - 2 for s in seqs], tables, [True] * 3)
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+    # ... and for one row alone (its slots are a slice of the table, not a gather).
+    fast = prop._chain_forward(inputs[1:2], chain, 0, seqs[1][-2:], 2)
+    ref = prop._forward([seqs[1][-2:]], [len(seqs[1]) - 2], tables[1:2], [True])
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)

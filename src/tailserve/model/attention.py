@@ -122,18 +122,23 @@ def _build_group(ids, query_lens, context_lens, block_tables, block_size, starts
 
 
 def decode_metadata(slot_mapping: torch.Tensor, kv_slots: torch.Tensor,
-                    context_lens: torch.Tensor | None) -> AttentionMetadata:
-    """Metadata for a batch of B single-token decodes whose context slots are already known:
-    ``kv_slots`` (B, C); ``context_lens`` (B,) when the rows' contexts differ (the rest of
-    each row is masked), None when every row uses all C slots. The speculative draft chain
-    builds it from slot tables computed once per round instead of from block tables."""
+                    context_lens: torch.Tensor | None, query_len: int = 1) -> AttentionMetadata:
+    """Metadata for a batch of B rows of ``query_len`` tokens each whose context slots are
+    already known: ``kv_slots`` (B, C); ``slot_mapping`` (B * query_len,), row-major;
+    ``context_lens`` (B,) when the rows' contexts (after their new tokens) differ, None
+    when every row uses all C slots. Masked where rows are ragged or queries are causal.
+    The speculative draft chain builds it from slot tables computed once per round instead
+    of from block tables."""
     b, c = kv_slots.shape
     mask = None
-    if context_lens is not None:
-        mask = (torch.arange(c, device=kv_slots.device)[None, :] < context_lens[:, None]).view(b, 1, 1, c)
-    group = AttentionGroup(q_index=slot_mapping, kv_slots=kv_slots, mask=mask, num_seqs=b, max_query_len=1,
+    if context_lens is not None or query_len > 1:
+        ends = context_lens if context_lens is not None else torch.full((b,), c, device=kv_slots.device)
+        # Query j of a row sits at position end - query_len + j and sees keys up to it.
+        limit = ends[:, None] - query_len + 1 + torch.arange(query_len, device=kv_slots.device)[None, :]  # (B, Q)
+        mask = (torch.arange(c, device=kv_slots.device)[None, None, :] < limit[:, :, None]).view(b, 1, query_len, c)
+    group = AttentionGroup(q_index=slot_mapping, kv_slots=kv_slots, mask=mask, num_seqs=b, max_query_len=query_len,
                            valid=None, covers_batch=True)  # q_index is unused when covers_batch
-    return AttentionMetadata(slot_mapping=slot_mapping, groups=[group], num_tokens=b)
+    return AttentionMetadata(slot_mapping=slot_mapping, groups=[group], num_tokens=b * query_len)
 
 
 def paged_attention(

@@ -70,6 +70,10 @@ class NgramProposer:
         return Proposal(drafts, None, {i.request_id: i.num_valid for i in inputs})
 
 
+# The chain's fast metadata also serves catch-ups of up to this many tokens per row.
+_CHAIN_MAX_CATCH_UP = 2
+
+
 class DraftModelProposer:
     """A small model of the same vocabulary proposes k tokens autoregressively.
 
@@ -99,9 +103,13 @@ class DraftModelProposer:
         #    The usual case after a rejection, one new token (the bonus) per drafting request,
         #    takes the chain's single-token path.
         chain = None
-        if all(i.num_valid - i.num_seen == 1 and i.k > 0 and i.num_valid == len(i.all_token_ids) for i in catch_up):
+        q = catch_up[0].num_valid - catch_up[0].num_seen
+        if q <= _CHAIN_MAX_CATCH_UP and all(
+                i.num_valid - i.num_seen == q and i.k > 0 and i.num_valid == len(i.all_token_ids) for i in catch_up):
+            # The usual catch-ups, all rows alike: one token after a rejection, two (the last
+            # draft and the bonus) after a fully accepted round.
             chain = self._chain_slots(catch_up)
-            logits = self._chain_forward(catch_up, chain, 0, [i.all_token_ids[-1] for i in catch_up])
+            logits = self._chain_forward(catch_up, chain, 0, [t for i in catch_up for t in i.all_token_ids[-q:]], q)
         else:
             logits = self._forward(
                 [i.all_token_ids[i.num_seen : i.num_valid] for i in catch_up],
@@ -129,42 +137,48 @@ class DraftModelProposer:
         return Proposal(drafts, out_probs, seen)
 
     def _chain_slots(self, active: list[ProposalInput]):
-        """(ids, slot table (B, C_max) tensor, per-row slot lists, sequence lengths) for a
-        round's single-token steps: step s feeds position len + s - 1 (s = 0 is the catch-up
-        of the last token, s >= 1 the drafts)."""
+        """(ids, slot table (B, C_max) tensor, sequence lengths) for a round's chain steps:
+        step s >= 1 feeds draft s at position len + s - 1; step 0 is the catch-up of the
+        sequence's last tokens, ending at position len - 1."""
         bs = self.block_size
-        rows, lens = [], []
-        for i in active:
-            n = len(i.all_token_ids)
-            table = i.block_ids
-            rows.append([table[pos // bs] * bs + pos % bs for pos in range(n + i.k - 1)])
-            lens.append(n)
-        width = max(len(r) for r in rows)
-        padded = [r + [0] * (width - len(r)) for r in rows]
-        return ([i.request_id for i in active], torch.tensor(padded, dtype=torch.long, device=self.device),
-                rows, lens)
+        lens = [len(i.all_token_ids) for i in active]
+        width = max(n + i.k - 1 for n, i in zip(lens, active))
+        nblocks = -(-width // bs)
+        # Unused tail entries point at block 0: they are masked (ragged rows) or never read.
+        blocks = torch.tensor([i.block_ids[:nblocks] + [0] * (nblocks - len(i.block_ids[:nblocks])) for i in active],
+                              dtype=torch.long, device=self.device)  # (B, nblocks)
+        offsets = torch.arange(bs, dtype=torch.long, device=self.device)
+        table = (blocks[:, :, None] * bs + offsets).view(len(active), -1)[:, :width]
+        return [i.request_id for i in active], table, lens
 
-    def _chain_forward(self, active: list[ProposalInput], chain, step: int, tokens: list[int]) -> torch.Tensor:
-        ids, table, rows, lens = chain
+    def _chain_forward(self, active: list[ProposalInput], chain, step: int, tokens: list[int],
+                       query_len: int = 1) -> torch.Tensor:
+        """One forward of the chain: ``query_len`` tokens per active row (row-major in
+        ``tokens``), ending at position len + step - 1; logits of each row's last token."""
+        ids, table, lens = chain
         row_of = {rid: r for r, rid in enumerate(ids)}
         sel = [row_of[i.request_id] for i in active]
-        ctx = [lens[r] + step for r in sel]  # context after this step's token
+        ctx = [lens[r] + step for r in sel]  # context after this step's tokens
+        positions_l = [c - query_len + j for c in ctx for j in range(query_len)]
         if self.arch.sliding_window is not None:
             # decode_metadata has no window: a sliding-window draft takes the general builder.
-            return self._forward([[t] for t in tokens], [c - 1 for c in ctx],
-                                 [i.block_ids for i in active], sample_last=[True] * len(active))
+            return self._forward([tokens[r * query_len:(r + 1) * query_len] for r in range(len(active))],
+                                 [c - query_len for c in ctx], [i.block_ids for i in active],
+                                 sample_last=[True] * len(active))
         width = max(ctx)
-        if len(sel) == len(ids):
-            kv_slots = table[:, :width]
+        kv_slots = table[:, :width] if len(sel) == len(ids) else table[torch.tensor(sel, device=self.device), :width]
+        positions = torch.tensor(positions_l, dtype=torch.long, device=self.device)
+        if len(sel) == 1:
+            slot_mapping = kv_slots[0, positions_l[0]:positions_l[-1] + 1]
         else:
-            kv_slots = table[torch.tensor(sel, device=self.device), :width]
-        slot_mapping = torch.tensor([rows[r][c - 1] for r, c in zip(sel, ctx)], dtype=torch.long, device=self.device)
+            slot_mapping = kv_slots.gather(1, positions.view(len(sel), query_len)).view(-1)
         uniform = all(c == width for c in ctx)
         meta = decode_metadata(slot_mapping, kv_slots,
-                               None if uniform else torch.tensor(ctx, dtype=torch.long, device=self.device))
-        ids_t = torch.tensor(tokens, device=self.device)
-        positions = torch.tensor([c - 1 for c in ctx], device=self.device)
-        return self.model.compute_logits(self.model(ids_t, positions, self.kv_caches, meta))
+                               None if uniform else torch.tensor(ctx, dtype=torch.long, device=self.device), query_len)
+        hidden = self.model(torch.tensor(tokens, device=self.device), positions, self.kv_caches, meta)
+        if query_len > 1:
+            hidden = hidden[query_len - 1 :: query_len]
+        return self.model.compute_logits(hidden)
 
     def _forward(self, token_lists: list[list[int]], starts: list[int], tables: list[list[int]],
                  sample_last: list[bool]) -> torch.Tensor | None:
