@@ -137,6 +137,40 @@ def test_timing_headers_and_request_id(server):
     assert float(st["e2e"]) == pytest.approx(t["e2e_ms"], abs=1e-3)
 
 
+def test_h2c_connection_outlives_a_thousand_requests(server):
+    """One h2 connection carries 1100 requests (Hypercorn's default would send GOAWAY
+    after 1000): a gateway's long-lived connection is never torn down by request count."""
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
+    conn.initiate_connection()
+    headers = [(":method", "GET"), (":path", "/health"), (":scheme", "http"),
+               (":authority", f"127.0.0.1:{server.port_h2}")]
+    statuses = []
+    with socket.create_connection(("127.0.0.1", server.port_h2), timeout=30) as sock:
+        sock.sendall(conn.data_to_send())
+        for _ in range(1100):
+            sid = conn.get_next_available_stream_id()
+            conn.send_headers(sid, headers, end_stream=True)
+            sock.sendall(conn.data_to_send())
+            ended = False
+            while not ended:
+                data = sock.recv(65536)
+                assert data, "the server closed the connection"
+                for ev in conn.receive_data(data):
+                    assert not isinstance(ev, h2.events.ConnectionTerminated), f"GOAWAY after {len(statuses)}"
+                    if isinstance(ev, h2.events.ResponseReceived):
+                        statuses.append(dict(ev.headers)[b":status"])
+                    elif isinstance(ev, h2.events.StreamEnded) and ev.stream_id == sid:
+                        ended = True
+                out = conn.data_to_send()
+                if out:
+                    sock.sendall(out)
+    assert statuses == [b"200"] * 1100
+
+
 def test_http2_prior_knowledge(server):
     body = {"prompt": "y = 2", "max_tokens": 3, "temperature": 0}
     with httpx.Client(http1=False, http2=True) as c:

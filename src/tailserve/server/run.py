@@ -32,6 +32,8 @@ from tailserve.server.app import Server, build_app
 
 log = logging.getLogger("tailserve.server")
 
+H2_MAX_REQUESTS_PER_CONNECTION = 1 << 40  # effectively unbounded (Hypercorn's default: 1000)
+
 
 def _hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -63,6 +65,10 @@ def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000, htt
     h2_config.errorlog = "-"
     h2_config.keep_alive_timeout = 75
     h2_config.h2_max_concurrent_streams = 256
+    # Hypercorn sends GOAWAY on a connection's 1001st request by default. A gateway keeps
+    # one h2 connection open and multiplexes everything over it; closing it every thousand
+    # requests makes it re-connect and retry the streams it had opened past the GOAWAY.
+    h2_config.keep_alive_max_requests = H2_MAX_REQUESTS_PER_CONNECTION
 
     ready = threading.Event()
     state: dict[str, object] = {}
