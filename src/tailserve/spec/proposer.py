@@ -100,8 +100,6 @@ class DraftModelProposer:
             return Proposal(drafts, {}, seen)
         # 1. Catch-up forward: every request's unseen tokens; sample the first draft of the
         #    requests whose sequence ends here (num_valid == all tokens) and that want k >= 1.
-        #    The usual case after a rejection, one new token (the bonus) per drafting request,
-        #    takes the chain's single-token path.
         chain = None
         q = catch_up[0].num_valid - catch_up[0].num_seen
         if q <= _CHAIN_MAX_CATCH_UP and all(
