@@ -85,3 +85,11 @@ def test_greedy_rows_accept_by_argmax():
     assert (m.item(), final.item()) == (2, 1)  # both drafts match the argmax; bonus = argmax at pos 2
     m, final = rs.rejection_sample_probs(p, draft_ids=torch.tensor([[1, 1]]), **args)
     assert (m.item(), final.item()) == (1, 0)  # second draft rejected; emit the argmax there
+
+
+def test_greedy_rows_walk_each_request_to_its_first_mismatch():
+    # Three requests with 2, 0 and 3 drafts: rows 0-2, 3, 4-7 of the flat logits.
+    argmax = [5, 6, 7, 8, 1, 2, 3, 4]
+    logits = torch.nn.functional.one_hot(torch.tensor(argmax), 10).float()
+    out = rs.greedy_rows(logits, [2, 0, 3], [[5, 9], [], [1, 2, 3]])
+    assert out == [[5, 6], [8], [1, 2, 3, 4]]  # mismatch at the 2nd draft; no drafts; all accepted + bonus

@@ -16,7 +16,7 @@ from tailserve.model.attention import build_attention_metadata
 from tailserve.model.config import ModelArchConfig
 from tailserve.model.llama import LlamaFamilyModel
 from tailserve.sampling_params import SamplingParams
-from tailserve.spec.rejection_sampler import RejectionSampler
+from tailserve.spec.rejection_sampler import RejectionSampler, greedy_rows
 
 
 class ModelRunner:
@@ -98,16 +98,20 @@ class ModelRunner:
             emitted = [[t] for t in tokens.tolist()]
             rows_of = [[i] for i in range(len(sample_ids))]
         else:
-            st = SamplingTensors.from_params(plist, self.arch.vocab_size, self.device)
-            gens = [self._generator(rid, p) for rid, p in zip(sample_ids, plist)]
             seqs = {s.request_id: s for s in sched.scheduled}
             drafts = [seqs[rid].token_ids[len(seqs[rid].token_ids) - k:] if k else []
                       for rid, k in zip(sample_ids, num_drafts)]
-            probs = None
-            if draft_probs is not None:
-                probs = [draft_probs[rid][:k] if k and rid in draft_probs else None
-                         for rid, k in zip(sample_ids, num_drafts)]
-            emitted = self.rejection_sampler(logits, num_drafts, drafts, probs, st, gens)
+            if all(p.greedy for p in plist):
+                # Acceptance by argmax equality needs no sampling tensors and no draft q.
+                emitted = greedy_rows(logits, num_drafts, drafts)
+            else:
+                st = SamplingTensors.from_params(plist, self.arch.vocab_size, self.device)
+                gens = [self._generator(rid, p) for rid, p in zip(sample_ids, plist)]
+                probs = None
+                if draft_probs is not None:
+                    probs = [draft_probs[rid][:k] if k and rid in draft_probs else None
+                             for rid, k in zip(sample_ids, num_drafts)]
+                emitted = self.rejection_sampler(logits, num_drafts, drafts, probs, st, gens)
             starts = [0]
             for k in num_drafts:
                 starts.append(starts[-1] + k + 1)

@@ -91,7 +91,7 @@ class RejectionSampler:
         generators: list[torch.Generator | None],
     ) -> list[list[int]]:
         if st.all_greedy:
-            return _greedy_rows(target_logits, num_drafts, draft_ids)
+            return greedy_rows(target_logits, num_drafts, draft_ids)
         device = target_logits.device
         bsz, v = len(num_drafts), target_logits.shape[-1]
         kmax = max(num_drafts)
@@ -125,7 +125,7 @@ class RejectionSampler:
         return out
 
 
-def _greedy_rows(target_logits: torch.Tensor, num_drafts: list[int], draft_ids: list[list[int]]) -> list[list[int]]:
+def greedy_rows(target_logits: torch.Tensor, num_drafts: list[int], draft_ids: list[list[int]]) -> list[list[int]]:
     """All-greedy batch: one argmax over every verified row, then the accept walk in Python
     (a handful of tokens; cheaper than a dozen tiny tensor ops)."""
     argmax = fast_argmax(target_logits).tolist()
