@@ -108,11 +108,16 @@ class LlamaFamilyModel(nn.Module):
         self.lm_head = Linear(cfg.vocab_size, cfg.hidden_size, bias=False)
         self.tied = cfg.tie_word_embeddings
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: (T,). Returns the final-norm hidden states (T, hidden)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """input_ids, positions: (T,). Returns the final-norm hidden states (T, hidden).
+        ``rope``: the rotary cos/sin for these positions, (T, 1, D) each, when the caller has
+        them already (the draft chain looks them up once per round); positions may then be None."""
         x = F.embedding(input_ids, self.embed_tokens)
-        rope = self.rotary.lookup(positions)
+        if rope is None:
+            if positions is None:
+                raise ValueError("forward needs positions or precomputed rope tables")
+            rope = self.rotary.lookup(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer.forward(x, rope, kv_cache, meta)
         return self.norm.forward(x)

@@ -74,6 +74,17 @@ class NgramProposer:
 _CHAIN_MAX_CATCH_UP = 2
 
 
+@dataclass
+class _Chain:
+    """One round's tables for the draft chain (built by ``_chain_slots``)."""
+
+    row_of: dict[str, int]  # request id -> row
+    table: torch.Tensor  # (B, W) KV slot of every position a step can touch
+    lens: list[int]  # sequence length per row at the start of the round
+    cos: torch.Tensor  # (B, steps + _CHAIN_MAX_CATCH_UP, D) rotary tables by column
+    sin: torch.Tensor
+
+
 class DraftModelProposer:
     """A small model of the same vocabulary proposes k tokens autoregressively.
 
@@ -134,10 +145,10 @@ class DraftModelProposer:
         out_probs = {rid: torch.stack(ps) for rid, ps in probs.items() if ps}
         return Proposal(drafts, out_probs, seen)
 
-    def _chain_slots(self, active: list[ProposalInput]):
-        """(ids, slot table (B, C_max) tensor, sequence lengths) for a round's chain steps:
-        step s >= 1 feeds draft s at position len + s - 1; step 0 is the catch-up of the
-        sequence's last tokens, ending at position len - 1."""
+    def _chain_slots(self, active: list[ProposalInput]) -> _Chain:
+        """Per-round tables for the chain steps: step s >= 1 feeds draft s at position
+        len + s - 1; step 0 is the catch-up of the sequence's last tokens, ending at
+        position len - 1."""
         bs = self.block_size
         lens = [len(i.all_token_ids) for i in active]
         width = max(n + i.k - 1 for n, i in zip(lens, active))
@@ -147,36 +158,56 @@ class DraftModelProposer:
                               dtype=torch.long, device=self.device)  # (B, nblocks)
         offsets = torch.arange(bs, dtype=torch.long, device=self.device)
         table = (blocks[:, :, None] * bs + offsets).view(len(active), -1)[:, :width]
-        return [i.request_id for i in active], table, lens
+        # Rotary cos/sin for every position a step can feed, looked up once per round:
+        # column c of row r is position len_r - _CHAIN_MAX_CATCH_UP + c.
+        steps = max(i.k for i in active)
+        first = torch.tensor(lens, dtype=torch.long, device=self.device) - _CHAIN_MAX_CATCH_UP
+        rotary = self.model.rotary
+        # Clamped: a row near the context limit drafts fewer tokens than the round's longest,
+        # and its columns past its own last step are never read.
+        cols = (first[:, None] + torch.arange(steps + _CHAIN_MAX_CATCH_UP, device=self.device)).clamp(
+            0, rotary.cos.shape[0] - 1)
+        return _Chain({i.request_id: r for r, i in enumerate(active)}, table, lens, rotary.cos[cols], rotary.sin[cols])
 
-    def _chain_forward(self, active: list[ProposalInput], chain, step: int, tokens: list[int],
+    def _chain_forward(self, active: list[ProposalInput], chain: _Chain, step: int, tokens: list[int],
                        query_len: int = 1) -> torch.Tensor:
         """One forward of the chain: ``query_len`` tokens per active row (row-major in
-        ``tokens``), ending at position len + step - 1; logits of each row's last token."""
-        ids, table, lens = chain
-        row_of = {rid: r for r, rid in enumerate(ids)}
-        sel = [row_of[i.request_id] for i in active]
-        ctx = [lens[r] + step for r in sel]  # context after this step's tokens
-        positions_l = [c - query_len + j for c in ctx for j in range(query_len)]
+        ``tokens``), ending at position len + step - 1; logits of each row's last token,
+        in the model's dtype (greedy drafts take their argmax; sampling converts)."""
+        sel = [chain.row_of[i.request_id] for i in active]
+        ctx = [chain.lens[r] + step for r in sel]  # context after this step's tokens
         if self.arch.sliding_window is not None:
             # decode_metadata has no window: a sliding-window draft takes the general builder.
             return self._forward([tokens[r * query_len:(r + 1) * query_len] for r in range(len(active))],
                                  [c - query_len for c in ctx], [i.block_ids for i in active],
                                  sample_last=[True] * len(active))
         width = max(ctx)
-        kv_slots = table[:, :width] if len(sel) == len(ids) else table[torch.tensor(sel, device=self.device), :width]
-        positions = torch.tensor(positions_l, dtype=torch.long, device=self.device)
+        c0 = step + _CHAIN_MAX_CATCH_UP - query_len  # rotary column of each row's first token
         if len(sel) == 1:
-            slot_mapping = kv_slots[0, positions_l[0]:positions_l[-1] + 1]
+            r, first = sel[0], ctx[0] - query_len
+            kv_slots = chain.table[r : r + 1, :width]
+            slot_mapping = kv_slots[0, first:ctx[0]]
+            cos = chain.cos[r, c0 : c0 + query_len].unsqueeze(1)  # (Q, 1, D)
+            sin = chain.sin[r, c0 : c0 + query_len].unsqueeze(1)
         else:
+            rows = None if len(sel) == len(chain.row_of) else torch.tensor(sel, device=self.device)
+            table = chain.table if rows is None else chain.table[rows]
+            kv_slots = table[:, :width]
+            positions = torch.tensor([c - query_len + j for c in ctx for j in range(query_len)], dtype=torch.long,
+                                     device=self.device)
             slot_mapping = kv_slots.gather(1, positions.view(len(sel), query_len)).view(-1)
+            cos_t, sin_t = (chain.cos, chain.sin) if rows is None else (chain.cos[rows], chain.sin[rows])
+            cos = cos_t[:, c0 : c0 + query_len].reshape(-1, 1, cos_t.shape[-1])  # (B*Q, 1, D)
+            sin = sin_t[:, c0 : c0 + query_len].reshape(-1, 1, sin_t.shape[-1])
         uniform = all(c == width for c in ctx)
         meta = decode_metadata(slot_mapping, kv_slots,
                                None if uniform else torch.tensor(ctx, dtype=torch.long, device=self.device), query_len)
-        hidden = self.model(torch.tensor(tokens, device=self.device), positions, self.kv_caches, meta)
+        # Positions only select rotary rows, which this round already looked up.
+        hidden = self.model.forward(torch.tensor(tokens, device=self.device), None, self.kv_caches, meta,
+                                    rope=(cos, sin))
         if query_len > 1:
             hidden = hidden[query_len - 1 :: query_len]
-        return self.model.compute_logits(hidden)
+        return self.model.lm_head.forward(hidden)
 
     def _forward(self, token_lists: list[list[int]], starts: list[int], tables: list[list[int]],
                  sample_last: list[bool]) -> torch.Tensor | None:
