@@ -122,9 +122,11 @@ class LlamaFamilyModel(nn.Module):
             x = layer.forward(x, rope, kv_cache, meta)
         return self.norm.forward(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, hidden) -> (N, vocab) float32 logits."""
-        return self.lm_head.forward(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """(N, hidden) -> (N, vocab) logits: float32, or the model's dtype with
+        ``upcast=False`` (enough for an argmax: the upcast is exact, so it picks the same token)."""
+        logits = self.lm_head.forward(hidden)
+        return logits.float() if upcast else logits
 
     def pack_for_cpu(self) -> bool:
         """Reorder every projection (and the LM head) for oneDNN; False if not possible."""

@@ -207,7 +207,7 @@ class DraftModelProposer:
                                     rope=(cos, sin))
         if query_len > 1:
             hidden = hidden[query_len - 1 :: query_len]
-        return self.model.lm_head.forward(hidden)
+        return self.model.compute_logits(hidden, upcast=False)
 
     def _forward(self, token_lists: list[list[int]], starts: list[int], tables: list[list[int]],
                  sample_last: list[bool]) -> torch.Tensor | None:
