@@ -19,6 +19,19 @@ def test_generate_prints_completion(llama_checkpoint):
     assert "8 output tokens" in p.stderr
 
 
+def test_closed_stdout_stops_quietly(llama_checkpoint):
+    """`tailserve generate ... | head`: the reader has gone; no traceback, the shell's 141."""
+    path, _ = llama_checkpoint
+    proc = subprocess.Popen([sys.executable, "-m", "tailserve", "generate", "--model", str(path), "--max-tokens", "8",
+                             "--dtype", "float32", "--kv-cache-memory", "1MiB", "def add(a, b):"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # nobody will read the completion
+    stderr = proc.stderr.read()
+    proc.stderr.close()
+    assert proc.wait(timeout=300) == 141
+    assert "Traceback" not in stderr, stderr
+
+
 def test_missing_model_is_one_line_error(tmp_path):
     p = run("generate", "--model", str(tmp_path / "missing"), "hello")
     assert p.returncode == 2
