@@ -228,17 +228,27 @@ def test_models_version_metrics(server):
     assert "tailserve:time_to_first_token_seconds_bucket" in httpx.get(server.url + "/metrics").text
 
 
-def test_dropped_streams_free_every_kv_block(server):
+@pytest.mark.parametrize("protocol", ["HTTP/1.1", "h2c"])
+def test_dropped_streams_free_every_kv_block(server, protocol):
     import threading
 
+    h2 = protocol == "h2c"
+    url = server.url_h2 if h2 else server.url
+
     def open_and_drop(i: int) -> None:
-        with httpx.Client(timeout=30) as c, c.stream("POST", server.url + "/v1/completions", json={
+        with httpx.Client(timeout=30, http1=not h2, http2=h2) as c, c.stream("POST", url + "/v1/completions", json={
                 "prompt": f"def g{i}(x):", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
                 "stream": True}) as r:
             for n, _ in enumerate(r.iter_lines()):
                 if n >= 4:
                     break  # leave mid-stream: closing the connection
 
+    def aborted() -> float:
+        text = httpx.get(server.url + "/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("tailserve:request_success_total{") and 'finished_reason="abort"' in line)
+
+    aborted_before = aborted()
     threads = [threading.Thread(target=open_and_drop, args=(i,)) for i in range(50)]
     for t in threads:
         t.start()
@@ -251,6 +261,8 @@ def test_dropped_streams_free_every_kv_block(server):
         time.sleep(0.2)
     assert server.metric("tailserve:kv_cache_usage_perc") == 0
     assert server.metric("tailserve:num_requests_running") == 0
+    # Freed because the disconnects aborted them, not because they ran to max_tokens.
+    assert aborted() - aborted_before == 50
     assert httpx.get(server.url + "/health").status_code == 200
 
 
