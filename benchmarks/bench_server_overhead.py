@@ -290,5 +290,6 @@ def main() -> None:
         t, g = statistics.median(st.ttft), statistics.median(st.gaps)
         print(f"{name:<22}{t * 1e3:>12.3f}{(t - base_ttft) * 1e3:>10.3f}{g * 1e3:>13.3f}{(g - base_tpot) * 1e3:>10.3f}")
 
+
 if __name__ == "__main__":
     main()

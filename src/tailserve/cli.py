@@ -97,9 +97,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from tailserve.config import EngineConfig
     from tailserve.engine.llm_engine import LLMEngine
-    from tailserve.server.run import check_bindable, run_server
+    from tailserve.server.run import check_bindable, resolve_http2_port, run_server
 
-    http2_port = args.port + 1 if args.http2_port is None else args.http2_port
+    http2_port = resolve_http2_port(args.port, args.http2_port)
     check_bindable(args.host, args.port)  # fail before spending seconds loading the model
     if http2_port:
         check_bindable(args.host, http2_port)

@@ -39,12 +39,16 @@ def _hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def resolve_http2_port(port: int, http2_port: int | None) -> int:
+    """The h2c listener's port: None = ``port`` + 1, 0 = no h2c listener."""
+    return port + 1 if http2_port is None else http2_port
+
+
 def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000, http2_port: int | None = None,
                api_key: str | None = None, max_body_bytes: int = 1 << 20, max_waiting_requests: int = 256,
                access_log: bool = False) -> None:
     """Serve until SIGINT/SIGTERM. ``http2_port``: None = port + 1, 0 = no h2c listener."""
-    if http2_port is None:
-        http2_port = port + 1
+    http2_port = resolve_http2_port(port, http2_port)
     check_bindable(host, port)
     if http2_port:
         check_bindable(host, http2_port)
