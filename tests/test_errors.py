@@ -165,6 +165,9 @@ def test_bad_sampling_params(kwargs, param):
     dict(kv_cache_memory_bytes="lots"), dict(device="tpu"), dict(max_model_len=1),
     dict(speculative_method="hybrid"), dict(speculative_method="eagle"),
     dict(speculative_model="builtin", speculative_draft_dtype="int4"),
+    dict(speculative_model="builtin", speculative_draft_stop_margin=1.0),
+    dict(speculative_model="builtin", speculative_draft_stop_margin=-0.1),
+    dict(speculative_model="builtin", speculative_draft_stop_margin="high"),
 ])
 def test_bad_engine_config(llama_checkpoint, kwargs):
     path, _ = llama_checkpoint

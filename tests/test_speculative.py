@@ -109,6 +109,23 @@ def test_prefix_hit_reuses_only_blocks_the_draft_filled(llama_checkpoint, draft_
     assert req.num_computed_tokens == 32 and req.num_draft_seen == 16
 
 
+@pytest.mark.parametrize("margin", [0.0, 0.999])
+def test_draft_chain_stops_after_an_unsure_draft(llama_checkpoint, draft_checkpoint, greedy_reference, margin):
+    """Margin 0: every round drafts its k = 4. Margin 0.999 (above every top-1 minus top-2
+    gap of the small random draft): each chain stops after its first draft. Outputs stay
+    the target's either way."""
+    path, _ = llama_checkpoint
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=4 << 20, speculative_model=str(draft_checkpoint),
+              num_speculative_tokens=4, speculative_draft_stop_margin=margin)
+    assert [o.token_ids for o in llm.generate(_prompts(), GREEDY)] == greedy_reference
+    s = llm.engine.spec_stats
+    if margin == 0.0:
+        # Only rounds near max_tokens are shorter than k.
+        assert s.num_draft_tokens > 3.5 * s.num_drafts
+    else:
+        assert s.num_draft_tokens == s.num_drafts > 0
+
+
 def test_target_as_its_own_draft_accepts_everything(llama_checkpoint):
     path, _ = llama_checkpoint
     k = 4
@@ -151,14 +168,15 @@ def _tiny_vocab_model(tmp_path, name, seed):
 def test_sampled_tokens_match_exact_target_distribution(tmp_path, method):
     """Temperature 1, top_p 0.9: the first three generated tokens (the second and third come
     from draft proposals verified by rejection sampling) follow the target's own
-    probabilities, computed exactly from its logits. Hybrid: n-gram (one-hot q) and model
-    drafts mixed in the same batches."""
+    probabilities, computed exactly from its logits. Draft chains stop early on unsure
+    drafts. Hybrid: n-gram (one-hot q) and model drafts mixed in the same batches."""
     from tailserve.engine.sampler import SamplingTensors, filtered_probs
 
     target_path, target = _tiny_vocab_model(tmp_path, "target", seed=0)
     draft_path, _ = _tiny_vocab_model(tmp_path, "draft", seed=1)
     prompt = [3, 1, 4]
-    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=3, ignore_eos=True)
+    # A fourth token (not counted) leaves room for two drafts in the first round.
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=4, ignore_eos=True)
     st = SamplingTensors.from_params([params], 8, torch.device("cpu"))
 
     def probs(prefix):
@@ -178,15 +196,19 @@ def test_sampled_tokens_match_exact_target_distribution(tmp_path, method):
 
     llm = LLM(str(target_path), dtype="float32", kv_cache_memory_bytes=64 << 20, max_num_seqs=512,
               max_num_batched_tokens=4096, speculative_model=str(draft_path), num_speculative_tokens=2, seed=123,
-              enable_prefix_caching=False, speculative_method=method, ngram_min=1)
+              enable_prefix_caching=False, speculative_method=method, ngram_min=1,
+              speculative_draft_stop_margin=0.02)  # the tiny draft's margins are a few hundredths
     n = 24_000
     counts = torch.zeros(512, dtype=torch.float64)
     for _ in range(n // 2000):
         for out in llm.generate([prompt] * 2000, params):
-            a, b, c = out.token_ids
+            a, b, c = out.token_ids[:3]
             counts[a * 64 + b * 8 + c] += 1
-    assert llm.engine.spec_stats.num_draft_tokens > 0
-    assert 0 < llm.engine.spec_stats.acceptance_rate < 1
+    spec = llm.engine.spec_stats
+    # Some model rounds stopped after one draft (margin < 0.02), others drafted both: the
+    # early stop decides from q alone, so the output must still be exactly the target's.
+    assert 0 < spec.drafted_per_position[1] < spec.drafted_per_position[0]
+    assert 0 < spec.acceptance_rate < 1
     if method == "hybrid":
         assert llm.engine.proposer.num_lookup_drafts > 0 and llm.engine.proposer.num_model_drafts > 0
     assert chi2_pvalue(counts, exact.reshape(-1)) > 1e-3

@@ -43,6 +43,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-max-tokens", type=int, default=6, help="upper bound for adaptive k")
     s.add_argument("--speculative-draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="the draft model's dtype (auto: the target's)")
+    s.add_argument("--speculative-draft-stop-margin", type=float, default=None,
+                   help="stop a request's draft chain after a draft whose top-1 minus top-2 draft "
+                        "probability is below this; 0: always draft k tokens (default: 0.06 with "
+                        "adaptive k, 0 with --num-speculative-tokens)")
     s.add_argument("--ngram-min", type=int, default=1)
     s.add_argument("--ngram-max", type=int, default=4)
 
@@ -56,7 +60,9 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         seed=args.seed, cpu_onednn=args.cpu_onednn,
         speculative_model=args.speculative_model, speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens, speculative_max_tokens=args.speculative_max_tokens,
-        speculative_draft_dtype=args.speculative_draft_dtype, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+        speculative_draft_dtype=args.speculative_draft_dtype,
+        speculative_draft_stop_margin=args.speculative_draft_stop_margin,
+        ngram_min=args.ngram_min, ngram_max=args.ngram_max,
     )
 
 

@@ -105,7 +105,8 @@ class LLMEngine:
             draft_caches = allocate_kv_caches(draft_arch, num_blocks, config.block_size,
                                               draft_model.embed_tokens.dtype, self.device)
             self.proposer = DraftModelProposer(draft_model, draft_arch, draft_caches, config.block_size, self.device,
-                                               self.runner.sampler.generator)
+                                               self.runner.sampler.generator,
+                                               stop_margin=config.draft_stop_margin)
             if self.spec_method == "hybrid":
                 self.proposer = HybridProposer(self.proposer, NgramProposer(config.ngram_min, config.ngram_max),
                                                self.arch.vocab_size)
@@ -231,8 +232,12 @@ class LLMEngine:
         if self.proposer is not None:
             # The cost model sees whole-step costs: everything but the proposal is "verify",
             # the proposal (with its bookkeeping) is "draft". Overheads count where they occur.
-            self.spec_controller.target_cost.observe(sched.num_scheduled_tokens,
-                                                     (time.perf_counter_ns() - t0) * 1e-9)
+            # Only decode/verify steps: a prefill chunk's tokens cost more each (their
+            # attention spans the chunk), and fitted together with decodes they would make
+            # every verified token look several times dearer than it is.
+            if not any(s.is_prefill for s in sched.scheduled):
+                self.spec_controller.target_cost.observe(sched.num_scheduled_tokens,
+                                                         (time.perf_counter_ns() - t0) * 1e-9)
             self._propose()
         self.num_steps += 1
         if self.metrics_enabled:
@@ -251,7 +256,7 @@ class LLMEngine:
             if not k:
                 continue
             self.spec_stats.observe(k, m)
-            self.spec_controller.observe_round(m, k)
+            self.spec_controller.observe_round(m, k, u.request.spec_cap)
             if self.prometheus is not None:
                 self.prometheus.observe_spec(k, m)
             # The draft chain wrote K/V for drafts 1..k-1; the accepted ones are now valid.
@@ -275,6 +280,7 @@ class LLMEngine:
                          self.max_model_len - req.num_tokens - 1)
                 if kk > 0 and not self.scheduler.reserve(req, req.num_tokens + kk):
                     kk = 0
+                req.spec_cap = max(kk, 0)
             if not uses_draft_model and kk <= 0:
                 continue  # n-gram lookup has nothing to catch up on
             valid = req.num_tokens if in_decode else req.num_computed_tokens
@@ -297,8 +303,10 @@ class LLMEngine:
                 self._draft_probs[inp.request_id] = proposal.draft_probs[inp.request_id]
         drafted = sum(1 for i in inputs if i.k > 0)
         if drafted:
-            # Per draft token of one request's round: the whole proposal, overheads included.
-            self.spec_controller.draft_cost.observe(drafted, (time.perf_counter() - t0) / max(k, 1))
+            # Per draft forward of a round (early stops make rounds shorter than k; n-gram
+            # lookup runs none): the whole proposal, overheads included.
+            self.spec_controller.draft_cost.observe(drafted, (time.perf_counter() - t0)
+                                                    / max(proposal.num_forwards or k, 1))
 
     def _mark_draft_filled(self, req) -> None:
         """Flag the request's full blocks that now hold the draft's K/V (for prefix hits)."""

@@ -47,6 +47,7 @@ class Request:
     # Speculative decoding: drafts proposed at the end of the last step, to verify next.
     spec_token_ids: list[int] = field(default_factory=list)
     num_draft_seen: int = 0  # tokens whose K/V the draft model holds
+    spec_cap: int = 0  # the most drafts the last proposal could make (its chain may stop sooner)
     num_draft_marked: int = 0  # leading blocks already flagged draft_filled in the pool
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0

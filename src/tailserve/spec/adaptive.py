@@ -1,13 +1,28 @@
 """Choosing k, the number of draft tokens, from measured acceptance and measured costs.
 
-With per-token acceptance rate a, a round of k drafts yields E[tokens] = (1 - a^(k+1)) / (1 - a)
-tokens per request. Its cost is k draft forwards plus one target forward over B*(k+1)
-tokens (B decoding requests). Both costs are measured as the engine runs: each model's
-forward time is fitted as alpha + beta * tokens (weighted least squares, older
-observations forgotten geometrically), so when the batch grows and the target becomes
-compute-bound (beta * tokens dominates), extra verified tokens stop being free and the
-best k falls, down to 0 (speculation off). With a fixed --num-speculative-tokens the
-controller only keeps statistics.
+k is a cap: a round drafts at most k tokens per request, fewer where the draft chain stops
+early on an unsure draft (see ``DraftModelProposer``). What a cap buys is estimated per
+draft position j from the verified rounds (geometric forgetting, all positions forgotten
+together so they describe the same recent window):
+
+- ``go[j]``: of the rounds whose verification reached draft j (drafts 1..j-1 accepted) and
+  whose cap allowed a draft j+1, the share that accepted draft j *and* had drafted j+1;
+- ``acc[j]``: of the rounds that reached draft j, the share that accepted it;
+- ``more[j]``: of the rounds that drafted j under a cap above j, the share that drafted j+1.
+
+Under cap k a round then yields E[tokens] = 1 + sum_j P(reach j) * acc[j], with
+P(reach j+1) = P(reach j) * go[j], and drafts sum_j P(draft j exists), the product of
+more[i] for i < j. Positions without enough rounds behind them use the figures pooled over
+all positions. Without early stops (more = 1) this is the geometric model: with per-token
+acceptance a, E[tokens] = (1 - a^(k+1)) / (1 - a).
+
+A round's cost is its draft forwards plus one target forward over B * (1 + drafts) tokens
+(B decoding requests). Both costs are measured as the engine runs: each model's forward
+time is fitted as alpha + beta * tokens (weighted least squares, older observations
+forgotten geometrically), so when the batch grows and the target becomes compute-bound
+(beta * tokens dominates), extra verified tokens stop being free and the best k falls,
+down to 0 (speculation off). With a fixed --num-speculative-tokens the controller only
+keeps statistics.
 """
 
 from __future__ import annotations
@@ -73,33 +88,92 @@ def expected_tokens(a: float, k: int) -> float:
 
 
 @dataclass
+class _Share:
+    """A forgotten-weighted share: hits / trials."""
+
+    hits: float = 0.0
+    trials: float = 0.0
+
+    def add(self, hit: bool) -> None:
+        self.trials += 1.0
+        self.hits += 1.0 if hit else 0.0
+
+    def decay(self, f: float) -> None:
+        self.hits *= f
+        self.trials *= f
+
+
+@dataclass
 class AdaptiveSpeculation:
     k_max: int = 6
     fixed_k: int | None = None
     explore_every: int = 24
     acceptance_prior: float = 0.6
     forget: float = 0.98
+    min_position_rounds: float = 4.0  # below this, a position uses the pooled figures
     target_cost: LinearCostModel = field(default_factory=LinearCostModel)
     draft_cost: LinearCostModel = field(default_factory=LinearCostModel)
-    _accepted: float = 0.0
-    _tried: float = 0.0
     _steps: int = 0
     _rng: random.Random = field(default_factory=lambda: random.Random(0))
     last_k: int = 0
+    # Index j = draft position (1-based; index 0 unused). See the module docstring.
+    _go: list[_Share] = field(default_factory=list)
+    _acc: list[_Share] = field(default_factory=list)
+    _more: list[_Share] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        n = self.k_max + 1
+        self._go = [_Share() for _ in range(n)]
+        self._acc = [_Share() for _ in range(n)]
+        self._more = [_Share() for _ in range(n)]
 
     @property
     def acceptance_rate(self) -> float:
-        """Per-token acceptance a, estimated as accepted / (accepted + rejections): the
-        maximum-likelihood estimate for a geometric number of accepted drafts."""
-        prior = 4.0
-        return (self._accepted + prior * self.acceptance_prior) / (self._tried + prior)
+        """Per-token acceptance a over all positions: accepted / (accepted + rejections),
+        the maximum-likelihood estimate for a geometric number of accepted drafts."""
+        return self._pooled(self._acc, self.acceptance_prior)
 
-    def observe_round(self, accepted: int, num_drafts: int) -> None:
-        """One request's verification: ``accepted`` of ``num_drafts`` drafts kept."""
+    def _pooled(self, shares: list[_Share], prior: float) -> float:
+        weight = 4.0
+        hits = sum(s.hits for s in shares)
+        trials = sum(s.trials for s in shares)
+        return (hits + weight * prior) / (trials + weight)
+
+    def _share(self, shares: list[_Share], j: int, pooled: float) -> float:
+        s = shares[min(j, self.k_max)]
+        return s.hits / s.trials if s.trials >= self.min_position_rounds else pooled
+
+    def observe_round(self, accepted: int, num_drafts: int, cap: int | None = None) -> None:
+        """One request's verification: ``accepted`` of ``num_drafts`` drafts kept, drafted
+        under cap ``cap`` (default: num_drafts, i.e. the chain was not cut short)."""
         if num_drafts <= 0:
             return
-        self._accepted = self._accepted * self.forget + accepted
-        self._tried = self._tried * self.forget + accepted + (1 if accepted < num_drafts else 0)
+        cap = num_drafts if cap is None else cap
+        for shares in (self._go, self._acc, self._more):
+            for sh in shares:
+                sh.decay(self.forget)
+        top = min(num_drafts, self.k_max)
+        for j in range(1, top + 1):
+            if j < cap:
+                self._more[j].add(j < num_drafts)
+            if j <= accepted + 1:  # verification reached draft j
+                self._acc[j].add(j <= accepted)
+                if j < cap:
+                    self._go[j].add(j <= accepted and j < num_drafts)
+
+    def round_figures(self, cap: int) -> tuple[float, float]:
+        """(tokens, drafts) per request per round expected under ``cap``."""
+        acc_all = self.acceptance_rate
+        more_all = self._pooled(self._more, 1.0)
+        go_all = self._pooled(self._go, acc_all * more_all)
+        tokens, drafts = 1.0, 0.0
+        reach, exists = 1.0, 1.0
+        for j in range(1, cap + 1):
+            drafts += exists
+            tokens += reach * self._share(self._acc, j, acc_all)
+            reach *= self._share(self._go, j, go_all)
+            exists *= self._share(self._more, j, more_all)
+        return tokens, drafts
 
     def choose_k(self, num_decoding: int) -> int:
         if self.fixed_k is not None:
@@ -114,12 +188,15 @@ class AdaptiveSpeculation:
         if self._steps % self.explore_every == 0:
             self.last_k = self._rng.randint(0, self.k_max)  # keep the cost fits fresh
             return self.last_k
-        a = self.acceptance_rate
         b = num_decoding
         best_k, best_rate = 0, b / self.target_cost.predict(b)
         for k in range(1, self.k_max + 1):
-            seconds = self.target_cost.predict(b * (k + 1)) + k * self.draft_cost.predict(b)
-            rate = b * expected_tokens(a, k) / seconds
+            tokens, drafts = self.round_figures(k)
+            # The chain runs while any row drafts: one row's own count of forwards, drifting
+            # to the cap as the batch grows.
+            forwards = drafts + (k - drafts) * (1.0 - 1.0 / b)
+            seconds = self.target_cost.predict(b * (1.0 + drafts)) + forwards * self.draft_cost.predict(b)
+            rate = b * tokens / seconds
             if rate > best_rate:
                 best_k, best_rate = k, rate
         self.last_k = best_k

@@ -37,6 +37,7 @@ class Proposal:
     draft_ids: dict[str, list[int]]
     draft_probs: dict[str, torch.Tensor] | None  # (k, V) per request; None = one-hot (n-gram)
     num_seen: dict[str, int]  # tokens whose K/V the proposer now holds, per request
+    num_forwards: int = 0  # draft-model forwards this proposal ran (0 for lookup)
 
 
 class NgramProposer:
@@ -91,15 +92,24 @@ class DraftModelProposer:
     Its KV cache has the same block layout as the target's and is indexed by the same block
     ids, so it needs no allocator of its own: a request's blocks hold both models' K/V.
     The first forward of a round is the catch-up (what was accepted last round, or a prefill
-    chunk, for every request at once); then k-1 single-token forwards for the requests that
-    draft. q is the draft's distribution after the request's own sampling filters, which
+    chunk, for every request at once); then up to k-1 single-token forwards for the requests
+    that draft. q is the draft's distribution after the request's own sampling filters, which
     is what the rejection sampler needs for losslessness.
+
+    A request's chain stops early after a draft the draft model itself was unsure of: when
+    the margin between its two most likely tokens (in q, or the plain softmax for greedy
+    requests) is below ``stop_margin``. Such drafts are mostly rejected, so the forwards
+    after them would be wasted, and the verification gets shorter too. The rule looks only
+    at the draft's own numbers, never at the target's, so sampling stays exact: the number
+    of drafts is decided before verification, like a per-round k.
     """
 
     def __init__(self, model: LlamaFamilyModel, arch: ModelArchConfig, kv_caches: list[torch.Tensor],
-                 block_size: int, device: torch.device, generator: torch.Generator) -> None:
+                 block_size: int, device: torch.device, generator: torch.Generator,
+                 stop_margin: float = 0.0) -> None:
         self.model, self.arch, self.kv_caches = model, arch, kv_caches
         self.block_size, self.device, self.generator = block_size, device, generator
+        self.stop_margin = stop_margin
 
     @torch.inference_mode()
     def propose(self, inputs: list[ProposalInput]) -> Proposal:
@@ -127,23 +137,24 @@ class DraftModelProposer:
         for i in catch_up:
             seen[i.request_id] = i.num_valid
         active = [i for i in catch_up if i.k > 0 and i.num_valid == len(i.all_token_ids)]
-        self._sample_into(active, logits, drafts, probs)
-        # 2. k-1 more single-token forwards for the requests still drafting. Their context
-        #    slots are computed once for the whole chain; each step slices them.
+        stopped: set[str] = set()
+        self._sample_into(active, logits, drafts, probs, stopped)
+        # 2. Up to k-1 more single-token forwards for the requests still drafting. Their
+        #    context slots are computed once for the whole chain; each step slices them.
         step = 1
         while True:
-            active = [i for i in active if i.k > step]
+            active = [i for i in active if i.k > step and i.request_id not in stopped]
             if not active:
                 break
             if chain is None:
                 chain = self._chain_slots(active)
             logits = self._chain_forward(active, chain, step, [drafts[i.request_id][-1] for i in active])
-            self._sample_into(active, logits, drafts, probs)
+            self._sample_into(active, logits, drafts, probs, stopped)
             step += 1
-        # The chain wrote K/V for drafts 1..k-1; they become "seen" only once accepted, which
-        # the engine reports back through num_seen on the next round.
+        # The chain wrote K/V for the drafts it fed back in; they become "seen" only once
+        # accepted, which the engine reports back through num_seen on the next round.
         out_probs = {rid: torch.stack(ps) for rid, ps in probs.items() if ps}
-        return Proposal(drafts, out_probs, seen)
+        return Proposal(drafts, out_probs, seen, num_forwards=step)
 
     def _chain_slots(self, active: list[ProposalInput]) -> _Chain:
         """Per-round tables for the chain steps: step s >= 1 feeds draft s at position
@@ -229,22 +240,40 @@ class DraftModelProposer:
         return self.model.compute_logits(hidden)
 
     def _sample_into(self, active: list[ProposalInput], logits: torch.Tensor | None,
-                     drafts: dict[str, list[int]], probs: dict[str, list[torch.Tensor]]) -> None:
+                     drafts: dict[str, list[int]], probs: dict[str, list[torch.Tensor]],
+                     stopped: set[str]) -> None:
+        """Append one draft per active row; add to ``stopped`` the rows whose draft fell
+        under the stop margin."""
         if not active or logits is None:
             return
+        stop = self.stop_margin > 0 and logits.shape[-1] >= 2
         if all(i.params.greedy for i in active):
             # Greedy verification compares tokens only; q is not needed.
-            for i, tok in zip(active, fast_argmax(logits).tolist()):
+            if not stop:
+                for i, tok in zip(active, fast_argmax(logits).tolist()):
+                    drafts[i.request_id].append(tok)
+                return
+            top = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(2, dim=-1)  # (N, 2)
+            margins = (top.values[:, 0] - top.values[:, 1]).tolist()
+            for i, tok, margin in zip(active, top.indices[:, 0].tolist(), margins):
                 drafts[i.request_id].append(tok)
+                if margin < self.stop_margin:
+                    stopped.add(i.request_id)
             return
         st = SamplingTensors.from_params([i.params for i in active], logits.shape[-1], self.device)
         q = filtered_probs(logits, st)  # (N, V)
         greedy_tok = fast_argmax(logits)
         noise = exponential_noise(tuple(q.shape), [i.generator for i in active], self.generator, self.device)
         tokens = torch.where(st.greedy, greedy_tok, fast_argmax(q / noise)).tolist()
+        if stop:
+            # Greedy rows' q is the plain softmax: the same margin as the all-greedy path.
+            top = q.topk(2, dim=-1).values
+            margins = (top[:, 0] - top[:, 1]).tolist()
         for row, (i, tok) in enumerate(zip(active, tokens)):
             drafts[i.request_id].append(tok)
             probs[i.request_id].append(q[row])
+            if stop and margins[row] < self.stop_margin:
+                stopped.add(i.request_id)
 
 
 class HybridProposer:

@@ -1,0 +1,71 @@
+"""The adaptive-k controller alone: per-position acceptance figures and the choice of k."""
+
+from __future__ import annotations
+
+import pytest
+
+from tailserve.spec.adaptive import AdaptiveSpeculation, expected_tokens
+
+
+def _feed_costs(ctl: AdaptiveSpeculation, target: tuple[float, float], draft: tuple[float, float]) -> None:
+    """Observations on the lines seconds = alpha + beta * tokens for both models."""
+    for n in (1, 2, 4, 8, 16, 32, 64, 128):
+        for _ in range(3):
+            ctl.target_cost.observe(n, target[0] + target[1] * n)
+            ctl.draft_cost.observe(n, draft[0] + draft[1] * n)
+
+
+def test_without_early_stops_the_figures_are_geometric():
+    """Rounds drafted to their cap whose acceptance is geometric with a = 0.75 (built
+    exactly: of every 64 rounds, 16 reject draft 1, 12 draft 2, 9 draft 3, 27 accept all):
+    the per-position figures give (1 - a^(k+1)) / (1 - a) tokens and k drafts."""
+    ctl = AdaptiveSpeculation(k_max=3, forget=1.0)
+    for accepted, count in ((0, 16), (1, 12), (2, 9), (3, 27)):
+        for _ in range(count):
+            ctl.observe_round(accepted, 3, cap=3)
+    for k in (1, 2, 3):
+        tokens, drafts = ctl.round_figures(k)
+        assert tokens == pytest.approx(expected_tokens(0.75, k), rel=1e-9)
+        assert drafts == pytest.approx(k)
+
+
+def test_early_stops_shorten_rounds_under_every_cap():
+    """Cap 6, but the chain always stops after 2 drafts, both accepted: any cap >= 2 gives
+    3 tokens for 2 drafts; cap 1 gives 2 tokens for 1 draft."""
+    ctl = AdaptiveSpeculation(k_max=6)
+    for _ in range(50):
+        ctl.observe_round(2, 2, cap=6)
+    assert ctl.round_figures(1) == pytest.approx((2.0, 1.0))
+    for k in (2, 4, 6):
+        tokens, drafts = ctl.round_figures(k)
+        assert tokens == pytest.approx(3.0, abs=0.02) and drafts == pytest.approx(2.0, abs=0.02)
+
+
+def test_rounds_under_a_small_cap_say_nothing_of_later_positions():
+    """Rounds capped at 2 must not count as "the chain stopped after draft 2"."""
+    ctl = AdaptiveSpeculation(k_max=4)
+    for _ in range(50):
+        ctl.observe_round(2, 2, cap=2)
+    _, drafts = ctl.round_figures(4)
+    assert drafts > 3.5  # positions 3-4 fall back to the pooled "chain continues" figure
+
+
+def test_choose_k_speculates_when_verification_is_free_and_stops_when_it_is_not():
+    ctl = AdaptiveSpeculation(k_max=6, explore_every=10**9)
+    for _ in range(40):
+        ctl.observe_round(4, 4, cap=6)  # the draft is right, and stops after 4 on its own
+    # Memory-bound target: 3 ms per forward whatever the tokens; draft 0.5 ms.
+    _feed_costs(ctl, (3e-3, 1e-7), (5e-4, 1e-7))
+    assert ctl.choose_k(1) >= 4
+    # Compute-bound target: every verified token costs as much as a whole small forward.
+    ctl2 = AdaptiveSpeculation(k_max=6, explore_every=10**9)
+    for _ in range(40):
+        ctl2.observe_round(1, 4, cap=6)
+    _feed_costs(ctl2, (3e-3, 1e-3), (5e-4, 1e-5))
+    assert ctl2.choose_k(64) == 0
+
+
+def test_a_fixed_k_is_kept():
+    ctl = AdaptiveSpeculation(k_max=4, fixed_k=3)
+    _feed_costs(ctl, (3e-3, 1e-3), (5e-4, 1e-5))
+    assert [ctl.choose_k(b) for b in (1, 64)] == [3, 3]
