@@ -68,6 +68,7 @@ def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000, htt
     h2_config.accesslog = "-" if access_log else None
     h2_config.errorlog = "-"
     h2_config.keep_alive_timeout = 75
+    h2_config.include_server_header = False  # as on the HTTP/1.1 listener
     h2_config.h2_max_concurrent_streams = 256
     # Hypercorn sends GOAWAY on a connection's 1001st request by default. A gateway keeps
     # one h2 connection open and multiplexes everything over it; closing it every thousand
