@@ -110,6 +110,7 @@ class DraftModelProposer:
         self.model, self.arch, self.kv_caches = model, arch, kv_caches
         self.block_size, self.device, self.generator = block_size, device, generator
         self.stop_margin = stop_margin
+        self._block_offsets: torch.Tensor | None = None
 
     @torch.inference_mode()
     def propose(self, inputs: list[ProposalInput]) -> Proposal:
@@ -167,18 +168,25 @@ class DraftModelProposer:
         # Unused tail entries point at block 0: they are masked (ragged rows) or never read.
         blocks = torch.tensor([i.block_ids[:nblocks] + [0] * (nblocks - len(i.block_ids[:nblocks])) for i in active],
                               dtype=torch.long, device=self.device)  # (B, nblocks)
-        offsets = torch.arange(bs, dtype=torch.long, device=self.device)
-        table = (blocks[:, :, None] * bs + offsets).view(len(active), -1)[:, :width]
+        if self._block_offsets is None:
+            self._block_offsets = torch.arange(bs, dtype=torch.long, device=self.device)
+        table = (blocks[:, :, None] * bs + self._block_offsets).view(len(active), -1)[:, :width]
         # Rotary cos/sin for every position a step can feed, looked up once per round:
         # column c of row r is position len_r - _CHAIN_MAX_CATCH_UP + c.
         steps = max(i.k for i in active)
-        first = torch.tensor(lens, dtype=torch.long, device=self.device) - _CHAIN_MAX_CATCH_UP
         rotary = self.model.rotary
-        # Clamped: a row near the context limit drafts fewer tokens than the round's longest,
-        # and its columns past its own last step are never read.
-        cols = (first[:, None] + torch.arange(steps + _CHAIN_MAX_CATCH_UP, device=self.device)).clamp(
-            0, rotary.cos.shape[0] - 1)
-        return _Chain({i.request_id: r for r, i in enumerate(active)}, table, lens, rotary.cos[cols], rotary.sin[cols])
+        ncols, npos = steps + _CHAIN_MAX_CATCH_UP, rotary.cos.shape[0]
+        first0 = lens[0] - _CHAIN_MAX_CATCH_UP
+        if len(active) == 1 and 0 <= first0 and first0 + ncols <= npos:
+            # One row: its columns are consecutive positions, a slice of the tables.
+            cos, sin = rotary.cos[first0 : first0 + ncols][None], rotary.sin[first0 : first0 + ncols][None]
+        else:
+            first = torch.tensor(lens, dtype=torch.long, device=self.device) - _CHAIN_MAX_CATCH_UP
+            # Clamped: a row near the context limit drafts fewer tokens than the round's
+            # longest, and its columns past its own last step are never read.
+            cols = (first[:, None] + torch.arange(ncols, device=self.device)).clamp(0, npos - 1)
+            cos, sin = rotary.cos[cols], rotary.sin[cols]
+        return _Chain({i.request_id: r for r, i in enumerate(active)}, table, lens, cos, sin)
 
     def _chain_forward(self, active: list[ProposalInput], chain: _Chain, step: int, tokens: list[int],
                        query_len: int = 1) -> torch.Tensor:
