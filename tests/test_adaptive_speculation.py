@@ -69,3 +69,16 @@ def test_a_fixed_k_is_kept():
     ctl = AdaptiveSpeculation(k_max=4, fixed_k=3)
     _feed_costs(ctl, (3e-3, 1e-3), (5e-4, 1e-5))
     assert [ctl.choose_k(b) for b in (1, 64)] == [3, 3]
+
+
+def test_forgetting_survives_a_long_run():
+    """Old rounds fade (a change in acceptance shows within ~100 rounds) and the internal
+    weights are rescaled before they overflow (tens of thousands of rounds)."""
+    ctl = AdaptiveSpeculation(k_max=3)
+    for _ in range(30_000):
+        ctl.observe_round(0, 3, cap=3)  # the draft is always wrong
+    assert ctl.round_figures(3) == pytest.approx((1.0, 3.0), abs=1e-6)
+    for _ in range(300):
+        ctl.observe_round(3, 3, cap=3)  # ... then always right
+    tokens, drafts = ctl.round_figures(3)
+    assert tokens == pytest.approx(4.0, abs=0.02) and drafts == pytest.approx(3.0)

@@ -89,18 +89,15 @@ def expected_tokens(a: float, k: int) -> float:
 
 @dataclass
 class _Share:
-    """A forgotten-weighted share: hits / trials."""
+    """A forgotten-weighted share: hits / trials, in the controller's current units."""
 
     hits: float = 0.0
     trials: float = 0.0
 
-    def add(self, hit: bool) -> None:
-        self.trials += 1.0
-        self.hits += 1.0 if hit else 0.0
-
-    def decay(self, f: float) -> None:
-        self.hits *= f
-        self.trials *= f
+    def add(self, hit: bool, weight: float) -> None:
+        self.trials += weight
+        if hit:
+            self.hits += weight
 
 
 @dataclass
@@ -120,6 +117,9 @@ class AdaptiveSpeculation:
     _go: list[_Share] = field(default_factory=list)
     _acc: list[_Share] = field(default_factory=list)
     _more: list[_Share] = field(default_factory=list)
+    # Forgetting without touching every share per round: each round weighs 1/forget times
+    # more than the one before; a share's count in rounds is its weight / _unit.
+    _unit: float = 1.0
 
     def __post_init__(self) -> None:
         n = self.k_max + 1
@@ -134,14 +134,14 @@ class AdaptiveSpeculation:
         return self._pooled(self._acc, self.acceptance_prior)
 
     def _pooled(self, shares: list[_Share], prior: float) -> float:
-        weight = 4.0
+        weight = 4.0 * self._unit  # the prior counts as 4 rounds
         hits = sum(s.hits for s in shares)
         trials = sum(s.trials for s in shares)
         return (hits + weight * prior) / (trials + weight)
 
     def _share(self, shares: list[_Share], j: int, pooled: float) -> float:
         s = shares[min(j, self.k_max)]
-        return s.hits / s.trials if s.trials >= self.min_position_rounds else pooled
+        return s.hits / s.trials if s.trials >= self.min_position_rounds * self._unit else pooled
 
     def observe_round(self, accepted: int, num_drafts: int, cap: int | None = None) -> None:
         """One request's verification: ``accepted`` of ``num_drafts`` drafts kept, drafted
@@ -149,17 +149,22 @@ class AdaptiveSpeculation:
         if num_drafts <= 0:
             return
         cap = num_drafts if cap is None else cap
-        for shares in (self._go, self._acc, self._more):
-            for sh in shares:
-                sh.decay(self.forget)
+        self._unit /= self.forget
+        if self._unit > 1e100:  # rescale long before float range runs out
+            for shares in (self._go, self._acc, self._more):
+                for sh in shares:
+                    sh.hits /= self._unit
+                    sh.trials /= self._unit
+            self._unit = 1.0
+        w = self._unit
         top = min(num_drafts, self.k_max)
         for j in range(1, top + 1):
             if j < cap:
-                self._more[j].add(j < num_drafts)
+                self._more[j].add(j < num_drafts, w)
             if j <= accepted + 1:  # verification reached draft j
-                self._acc[j].add(j <= accepted)
+                self._acc[j].add(j <= accepted, w)
                 if j < cap:
-                    self._go[j].add(j <= accepted and j < num_drafts)
+                    self._go[j].add(j <= accepted and j < num_drafts, w)
 
     def round_figures(self, cap: int) -> tuple[float, float]:
         """(tokens, drafts) per request per round expected under ``cap``."""

@@ -177,7 +177,7 @@ class DraftModelProposer:
         rotary = self.model.rotary
         ncols, npos = steps + _CHAIN_MAX_CATCH_UP, rotary.cos.shape[0]
         first0 = lens[0] - _CHAIN_MAX_CATCH_UP
-        if len(active) == 1 and 0 <= first0 and first0 + ncols <= npos:
+        if len(active) == 1 and first0 >= 0 and first0 + ncols <= npos:
             # One row: its columns are consecutive positions, a slice of the tables.
             cos, sin = rotary.cos[first0 : first0 + ncols][None], rotary.sin[first0 : first0 + ncols][None]
         else:
