@@ -321,3 +321,27 @@ def test_sigterm_stops_the_server_cleanly(llama_checkpoint):
     out, _ = s.proc.communicate(timeout=30)
     assert s.proc.returncode == 0
     assert b"Traceback" not in out
+
+
+def test_speculative_server_reports_acceptance(llama_checkpoint, offline):
+    """Speculation on (the target as its own draft, adaptive k): greedy text is the offline
+    engine's, and each response's timing carries the spec figures (non-streaming body and
+    the streamed final chunk), as do the Prometheus counters."""
+    path, _ = llama_checkpoint
+    s = ServerProcess(str(path), "--kv-cache-memory", "8MiB", "--speculative-model", str(path))
+    try:
+        body = {"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        ref = offline.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref.text
+        spec = r.json()["timing"]["spec"]
+        assert spec["draft_tokens"] > 0 and spec["acceptance_rate"] == 1.0
+        assert spec["mean_acceptance_length"] > 1.0
+        with httpx.stream("POST", s.url_h2 + "/v1/completions",
+                          json={**body, "stream": True}, timeout=60) as st:
+            events = [json.loads(line[6:]) for line in st.iter_lines() if line.startswith("data: {")]
+        assert "".join(e["choices"][0]["text"] for e in events) == ref.text
+        assert events[-1]["timing"]["spec"]["accepted_tokens"] == events[-1]["timing"]["spec"]["draft_tokens"] > 0
+        assert s.metric("tailserve:spec_decode_num_accepted_tokens_total") > 0
+    finally:
+        s.stop()
