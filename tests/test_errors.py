@@ -168,6 +168,8 @@ def test_bad_sampling_params(kwargs, param):
     dict(speculative_model="builtin", speculative_draft_stop_margin=1.0),
     dict(speculative_model="builtin", speculative_draft_stop_margin=-0.1),
     dict(speculative_model="builtin", speculative_draft_stop_margin="high"),
+    dict(speculative_model="builtin", speculative_draft_numpy=True, speculative_draft_dtype="bfloat16"),
+    dict(speculative_model="builtin", speculative_draft_numpy="yes"),
 ])
 def test_bad_engine_config(llama_checkpoint, kwargs):
     path, _ = llama_checkpoint

@@ -234,17 +234,51 @@ def test_stop_conditions_inside_an_accepted_run(llama_checkpoint):
 
 def test_draft_runs_in_its_own_dtype(llama_checkpoint, draft_checkpoint):
     """The draft may run in another dtype than the target (its K/V cache too); greedy output
-    is still exactly the bf16 target's."""
+    is still exactly the bf16 target's. On the CPU "auto" means float32 with the NumPy
+    chain step; a bf16 draft runs in PyTorch only."""
     path, _ = llama_checkpoint
     kw = dict(dtype="bfloat16", kv_cache_memory_bytes=4 << 20)
     ref = [o.token_ids for o in LLM(str(path), **kw).generate(_prompts(), GREEDY)]
-    for draft_dtype, expect in (("auto", torch.bfloat16), ("float32", torch.float32)):
+    for draft_dtype, expect in (("auto", torch.float32), ("bfloat16", torch.bfloat16), ("float32", torch.float32)):
         llm = LLM(str(path), speculative_model=str(draft_checkpoint), num_speculative_tokens=3,
                   speculative_draft_dtype=draft_dtype, **kw)
         prop = llm.engine.proposer
         assert prop.model.embed_tokens.dtype == expect and prop.kv_caches[0].dtype == expect
+        assert (prop.numpy_step is not None) == (expect == torch.float32)
         assert [o.token_ids for o in llm.generate(_prompts(), GREEDY)] == ref
         assert llm.engine.spec_stats.num_accepted_tokens > 0
+        # The last request alone in the batch drafts through the NumPy step.
+        assert (prop.num_numpy_forwards > 0) == (expect == torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama_tied", "llama_biases", "qwen2", "qwen3", "llama_rope_llama3"])
+def test_numpy_draft_step_matches_pytorch(llama_checkpoint, tmp_path, kind):
+    """The NumPy chain step (one sequence) gives the PyTorch path's logits and writes the same
+    K/V: single tokens and two-token catch-ups, GQA, biases, q/k norms, tied heads, scaled
+    rotary tables."""
+    from tailserve.spec.proposer import ProposalInput
+
+    path, _ = llama_checkpoint
+    draft = save_checkpoint(build_hf_model(kind, seed=4), tmp_path / kind)
+    kw = dict(dtype="float32", kv_cache_memory_bytes=4 << 20, speculative_model=str(draft), num_speculative_tokens=4)
+    fast, slow = LLM(str(path), **kw), LLM(str(path), speculative_draft_numpy=False, **kw)
+    assert fast.engine.proposer.numpy_step is not None and slow.engine.proposer.numpy_step is None
+    g = torch.Generator().manual_seed(5)
+    seq = torch.randint(3, 200, (37,), generator=g).tolist()
+    table = [3, 0, 5]
+    got = {}
+    for name, llm in (("numpy", fast), ("torch", slow)):
+        prop = llm.engine.proposer
+        prop._forward([seq], [0], [table], [False])  # fill the draft's cache (PyTorch, general path)
+        inp = [ProposalInput("r", seq, len(seq), len(seq), table, 4, GREEDY, None)]
+        chain = prop._chain_slots(inp)
+        got[name] = [prop._chain_forward(inp, chain, 0, seq[-2:], 2),  # catch-up of two tokens
+                     prop._chain_forward(inp, chain, 1, [17]),  # then drafts 1 and 2
+                     prop._chain_forward(inp, chain, 2, [29]),
+                     prop.kv_caches[0].clone()]
+    assert fast.engine.proposer.num_numpy_forwards == 3 and slow.engine.proposer.num_numpy_forwards == 0
+    for a, b in zip(got["numpy"], got["torch"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("window", [None, 8])

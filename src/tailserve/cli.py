@@ -40,12 +40,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="hybrid: n-gram lookup where it matches >= --ngram-min tokens, the draft model elsewhere")
     s.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="fixed number of draft tokens per step (default: adaptive)")
-    s.add_argument("--speculative-max-tokens", type=int, default=6, help="upper bound for adaptive k")
+    s.add_argument("--speculative-max-tokens", type=int, default=8, help="upper bound for adaptive k")
     s.add_argument("--speculative-draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="the draft model's dtype (auto: the target's)")
+    s.add_argument("--speculative-draft-numpy", action=argparse.BooleanOptionalAction, default=None,
+                   help="run a single sequence's draft steps in NumPy on the CPU (float32 draft); "
+                        "default: whenever possible")
     s.add_argument("--speculative-draft-stop-margin", type=float, default=None,
                    help="stop a request's draft chain after a draft whose top-1 minus top-2 draft "
-                        "probability is below this; 0: always draft k tokens (default: 0.06 with "
+                        "probability is below this; 0: always draft k tokens (default: 0.02 with "
                         "adaptive k, 0 with --num-speculative-tokens)")
     s.add_argument("--ngram-min", type=int, default=1)
     s.add_argument("--ngram-max", type=int, default=4)
@@ -62,6 +65,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         num_speculative_tokens=args.num_speculative_tokens, speculative_max_tokens=args.speculative_max_tokens,
         speculative_draft_dtype=args.speculative_draft_dtype,
         speculative_draft_stop_margin=args.speculative_draft_stop_margin,
+        speculative_draft_numpy=args.speculative_draft_numpy,
         ngram_min=args.ngram_min, ngram_max=args.ngram_max,
     )
 

@@ -33,6 +33,7 @@ from tailserve.model.tokenizer import Tokenizer
 from tailserve.outputs import CompletionOutput, RequestOutput
 from tailserve.sampling_params import SamplingParams
 from tailserve.spec.adaptive import AdaptiveSpeculation
+from tailserve.spec.numpy_draft import NumpyDraftStep
 from tailserve.spec.proposer import DraftModelProposer, HybridProposer, NgramProposer, ProposalInput
 from tailserve.spec.stats import SpecDecodeStats
 
@@ -78,12 +79,23 @@ class LLMEngine:
         per_block = kv_bytes_per_block(self.arch, config.block_size, self.dtype)
         self.spec_method = config.speculative_method
         draft_model = draft_arch = None
+        draft_numpy = False
         if self.spec_method in ("draft_model", "hybrid"):
             draft_dir = pathlib.Path(resolve_model_path(config.speculative_model, draft=True))
-            draft_dtype = (self.dtype if config.speculative_draft_dtype == "auto"
-                           else parse_dtype(config.speculative_draft_dtype))
-            draft_model, draft_arch = load_model(draft_dir, draft_dtype, self.device, max_positions=max_len,
-                                                 pack_cpu_weights=config.cpu_onednn)
+            draft_arch = load_arch_config(draft_dir)
+            draft_numpy = config.speculative_draft_numpy
+            if draft_numpy is None:
+                draft_numpy = (self.device.type == "cpu" and config.speculative_draft_dtype in ("auto", "float32")
+                               and draft_arch.sliding_window is None)
+            elif draft_numpy and draft_arch.sliding_window is not None:
+                raise ConfigError("speculative_draft_numpy: the NumPy draft step has no sliding window, "
+                                  "and this draft model uses one")
+            if config.speculative_draft_dtype != "auto":
+                draft_dtype = parse_dtype(config.speculative_draft_dtype)
+            else:
+                draft_dtype = torch.float32 if draft_numpy else self.dtype
+            # Packed for oneDNN only once the NumPy step (if any) has copied the plain weights.
+            draft_model, draft_arch = load_model(draft_dir, draft_dtype, self.device, max_positions=max_len)
             if draft_arch.vocab_size != self.arch.vocab_size:
                 raise ConfigError(f"draft model vocabulary ({draft_arch.vocab_size}) differs from the target's "
                                   f"({self.arch.vocab_size}); speculative decoding needs the same tokenizer")
@@ -104,9 +116,12 @@ class LLMEngine:
         if draft_model is not None and draft_arch is not None:
             draft_caches = allocate_kv_caches(draft_arch, num_blocks, config.block_size,
                                               draft_model.embed_tokens.dtype, self.device)
+            numpy_step = NumpyDraftStep(draft_model, draft_arch, draft_caches) if draft_numpy else None
+            if config.cpu_onednn and self.device.type == "cpu":
+                draft_model.pack_for_cpu()
             self.proposer = DraftModelProposer(draft_model, draft_arch, draft_caches, config.block_size, self.device,
                                                self.runner.sampler.generator,
-                                               stop_margin=config.draft_stop_margin)
+                                               stop_margin=config.draft_stop_margin, numpy_step=numpy_step)
             if self.spec_method == "hybrid":
                 self.proposer = HybridProposer(self.proposer, NgramProposer(config.ngram_min, config.ngram_max),
                                                self.arch.vocab_size)
@@ -302,11 +317,13 @@ class LLMEngine:
             if proposal.draft_probs is not None and inp.request_id in proposal.draft_probs:
                 self._draft_probs[inp.request_id] = proposal.draft_probs[inp.request_id]
         drafted = sum(1 for i in inputs if i.k > 0)
-        if drafted:
-            # Per draft forward of a round (early stops make rounds shorter than k; n-gram
-            # lookup runs none): the whole proposal, overheads included.
-            self.spec_controller.draft_cost.observe(drafted, (time.perf_counter() - t0)
-                                                    / max(proposal.num_forwards or k, 1))
+        if drafted and proposal.num_forwards:
+            # Per step of a steady-state round (early stops make rounds shorter than k): the
+            # whole proposal, overheads included. A catch-up over a prompt, or over what was
+            # generated while speculation was off, is not observed: charged to its few steps
+            # it made a draft forward look ten times dearer, and the controller then kept
+            # speculation off.
+            self.spec_controller.draft_cost.observe(drafted, (time.perf_counter() - t0) / proposal.num_forwards)
 
     def _mark_draft_filled(self, req) -> None:
         """Flag the request's full blocks that now hold the draft's K/V (for prefix hits)."""

@@ -102,7 +102,7 @@ class _Share:
 
 @dataclass
 class AdaptiveSpeculation:
-    k_max: int = 6
+    k_max: int = 8
     fixed_k: int | None = None
     explore_every: int = 24
     acceptance_prior: float = 0.6

@@ -18,6 +18,7 @@ from tailserve.model.attention import build_attention_metadata, decode_metadata
 from tailserve.model.config import ModelArchConfig
 from tailserve.model.llama import LlamaFamilyModel
 from tailserve.sampling_params import SamplingParams
+from tailserve.spec.numpy_draft import NumpyDraftStep
 
 
 @dataclass
@@ -37,7 +38,10 @@ class Proposal:
     draft_ids: dict[str, list[int]]
     draft_probs: dict[str, torch.Tensor] | None  # (k, V) per request; None = one-hot (n-gram)
     num_seen: dict[str, int]  # tokens whose K/V the proposer now holds, per request
-    num_forwards: int = 0  # draft-model forwards this proposal ran (0 for lookup)
+    # Steps this proposal took (draft-model forwards; for lookup, the drafts asked for), for
+    # the adaptive controller's cost per step. None: not a steady-state round (a catch-up
+    # over a prompt or many tokens), whose time says nothing about the next round's.
+    num_forwards: int | None = None
 
 
 class NgramProposer:
@@ -68,7 +72,8 @@ class NgramProposer:
 
     def propose(self, inputs: list[ProposalInput]) -> Proposal:
         drafts = {i.request_id: self.propose_one(i.all_token_ids[: i.num_valid], i.k) for i in inputs}
-        return Proposal(drafts, None, {i.request_id: i.num_valid for i in inputs})
+        return Proposal(drafts, None, {i.request_id: i.num_valid for i in inputs},
+                        num_forwards=max((i.k for i in inputs), default=0) or None)
 
 
 # The chain's fast metadata also serves catch-ups of up to this many tokens per row.
@@ -106,10 +111,13 @@ class DraftModelProposer:
 
     def __init__(self, model: LlamaFamilyModel, arch: ModelArchConfig, kv_caches: list[torch.Tensor],
                  block_size: int, device: torch.device, generator: torch.Generator,
-                 stop_margin: float = 0.0) -> None:
+                 stop_margin: float = 0.0, numpy_step: NumpyDraftStep | None = None) -> None:
         self.model, self.arch, self.kv_caches = model, arch, kv_caches
         self.block_size, self.device, self.generator = block_size, device, generator
         self.stop_margin = stop_margin
+        # CPU only: chain steps of a single sequence run in NumPy (see spec/numpy_draft.py).
+        self.numpy_step = numpy_step
+        self.num_numpy_forwards = 0  # for tests and benchmarks
         self._block_offsets: torch.Tensor | None = None
 
     @torch.inference_mode()
@@ -124,8 +132,9 @@ class DraftModelProposer:
         #    requests whose sequence ends here (num_valid == all tokens) and that want k >= 1.
         chain = None
         q = catch_up[0].num_valid - catch_up[0].num_seen
-        if q <= _CHAIN_MAX_CATCH_UP and all(
-                i.num_valid - i.num_seen == q and i.k > 0 and i.num_valid == len(i.all_token_ids) for i in catch_up):
+        steady = q <= _CHAIN_MAX_CATCH_UP and all(
+            i.num_valid - i.num_seen == q and i.k > 0 and i.num_valid == len(i.all_token_ids) for i in catch_up)
+        if steady:
             # The usual catch-ups, all rows alike: one token after a rejection, two (the last
             # draft and the bonus) after a fully accepted round.
             chain = self._chain_slots(catch_up)
@@ -155,7 +164,7 @@ class DraftModelProposer:
         # The chain wrote K/V for the drafts it fed back in; they become "seen" only once
         # accepted, which the engine reports back through num_seen on the next round.
         out_probs = {rid: torch.stack(ps) for rid, ps in probs.items() if ps}
-        return Proposal(drafts, out_probs, seen, num_forwards=step)
+        return Proposal(drafts, out_probs, seen, num_forwards=step if steady else None)
 
     def _chain_slots(self, active: list[ProposalInput]) -> _Chain:
         """Per-round tables for the chain steps: step s >= 1 feeds draft s at position
@@ -202,6 +211,13 @@ class DraftModelProposer:
                                  sample_last=[True] * len(active))
         width = max(ctx)
         c0 = step + _CHAIN_MAX_CATCH_UP - query_len  # rotary column of each row's first token
+        if len(sel) == 1 and self.numpy_step is not None:
+            r = sel[0]
+            self.num_numpy_forwards += 1
+            logits = self.numpy_step.forward(np.asarray(tokens, dtype=np.int64), chain.table[r, : ctx[0]].numpy(),
+                                             chain.cos[r, c0 : c0 + query_len, None].numpy(),
+                                             chain.sin[r, c0 : c0 + query_len, None].numpy())
+            return torch.from_numpy(logits[None])  # (1, V) float32
         if len(sel) == 1:
             r, first = sel[0], ctx[0] - query_len
             kv_slots = chain.table[r : r + 1, :width]
@@ -312,7 +328,10 @@ class HybridProposer:
             rest.append(i)
         proposal = self.draft.propose(rest) if rest else Proposal({}, {}, {})
         self.num_lookup_drafts += len(looked_up)
-        self.num_model_drafts += sum(1 for i in rest if i.k > 0)
+        model_drafts = sum(1 for i in rest if i.k > 0)
+        self.num_model_drafts += model_drafts
+        if not model_drafts and looked_up:
+            proposal.num_forwards = max(len(d) for d in looked_up.values())
         probs = dict(proposal.draft_probs or {})
         for i in inputs:
             d = looked_up.get(i.request_id)
@@ -324,4 +343,4 @@ class HybridProposer:
                 q = torch.zeros((len(d), self.vocab_size), device=self.draft.device)
                 q[torch.arange(len(d)), torch.tensor(d)] = 1.0
                 probs[i.request_id] = q
-        return Proposal(proposal.draft_ids, probs, proposal.num_seen)
+        return Proposal(proposal.draft_ids, probs, proposal.num_seen, proposal.num_forwards)
