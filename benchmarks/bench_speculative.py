@@ -3,9 +3,11 @@
 Prompts: function headers (+ docstring line) from held-out standard-library files. Batch 1,
 --new-tokens new tokens (greedy, length forced). decode tok/s = (N - 1) / (t(N) - t(1)),
 median over prompts and runs. Rows: speculation off; draft model with k = 2..6 and
-adaptive; n-gram lookup; hybrid (lookup, else the draft); transformers' plain generate and
-its assisted generation with the same pair (its own speed-up, same run). Also: the measured cost ratio of one draft
-forward to one target forward, and batch-16 throughput with adaptive speculation vs off.
+adaptive (and adaptive with the draft's steps kept in PyTorch, where the default runs a
+single sequence's steps in NumPy); n-gram lookup; hybrid (lookup, else the draft);
+transformers' plain generate and its assisted generation with the same pair (its own
+speed-up, same run). Also: the cost ratio of the draft to the target (each alone, and
+inside the engine), and batch-16 throughput with adaptive speculation vs off.
 
     python benchmarks/bench_speculative.py [--runs 2] [--prompts 8] [--new-tokens 256] [--skip-hf]
 """
@@ -82,6 +84,10 @@ def main() -> None:
     for k in range(2, 7):
         configs[f"tailserve draft k={k}"] = {**d, "num_speculative_tokens": k}
     configs["tailserve draft adaptive"] = dict(d)
+    if args.draft_dtype in ("auto", "float32"):
+        # The same with every draft step in PyTorch (on the CPU the default runs a single
+        # sequence's steps in NumPy): what that step is worth, same run.
+        configs["tailserve draft adaptive, PyTorch steps"] = {**d, "speculative_draft_numpy": False}
     configs["tailserve ngram k=4"] = {"speculative_method": "ngram", "num_speculative_tokens": 4}
     configs["tailserve hybrid k=4"] = {**d, "speculative_method": "hybrid", "num_speculative_tokens": 4,
                                       "ngram_min": 2}
@@ -125,8 +131,13 @@ def main() -> None:
             results[name].update(mean_acceptance_length=s.mean_acceptance_length, acceptance_rate=s.acceptance_rate)
             line += f"   acceptance length {s.mean_acceptance_length:5.2f}, rate {s.acceptance_rate:.2f}"
         print(line, flush=True)
-    print(f"cost ratio draft/target (time per token, alone): "
+    print(f"cost ratio draft/target (time per token, each alone, PyTorch): "
           f"{tps['tailserve off'] / tps['draft model alone']:.3f}")
+    ctl = engines["tailserve draft adaptive"].engine.spec_controller
+    inside = ctl.draft_cost.predict(1) / ctl.target_cost.predict(1)
+    results["cost ratio in engine"] = {"draft_step_over_target_step": inside}
+    print(f"cost ratio draft step/target step inside the engine (the adaptive controller's fits, "
+          f"batch 1): {inside:.3f}")
 
     # Batch 16: adaptive speculation must not lose throughput. Alternating runs, medians.
     batch_prompts = held_out_prompts(16)
