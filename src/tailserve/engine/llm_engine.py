@@ -245,14 +245,15 @@ class LLMEngine:
             self._after_verification(sched, updates)
         outputs = [self._process(u) for u in updates]
         if self.proposer is not None:
-            # The cost model sees whole-step costs: everything but the proposal is "verify",
-            # the proposal (with its bookkeeping) is "draft". Overheads count where they occur.
-            # Only decode/verify steps: a prefill chunk's tokens cost more each (their
-            # attention spans the chunk), and fitted together with decodes they would make
-            # every verified token look several times dearer than it is.
+            # Costs for the controller: the target's forward with its sampling (fitted against
+            # the verified tokens), the rest of the step (scheduling, output bookkeeping,
+            # detokenizing: paid per step and per emitted token, with or without drafts), and
+            # the proposal (observed in _propose). Only decode/verify steps: a prefill chunk's
+            # tokens cost more each (their attention spans the chunk), and fitted together
+            # with decodes they would make every verified token look several times dearer.
             if not any(s.is_prefill for s in sched.scheduled):
-                self.spec_controller.target_cost.observe(sched.num_scheduled_tokens,
-                                                         (time.perf_counter_ns() - t0) * 1e-9)
+                self.spec_controller.observe_step(sched.num_scheduled_tokens, (t1 - t0) * 1e-9,
+                                                  (time.perf_counter_ns() - t1) * 1e-9)
             self._propose()
         self.num_steps += 1
         if self.metrics_enabled:

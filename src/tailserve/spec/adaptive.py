@@ -17,11 +17,12 @@ all positions. Without early stops (more = 1) this is the geometric model: with 
 acceptance a, E[tokens] = (1 - a^(k+1)) / (1 - a).
 
 A round's cost is its draft forwards plus one target forward over B * (1 + drafts) tokens
-(B decoding requests). Both costs are measured as the engine runs: each model's forward
-time is fitted as alpha + beta * tokens (weighted least squares, older observations
-forgotten geometrically), so when the batch grows and the target becomes compute-bound
-(beta * tokens dominates), extra verified tokens stop being free and the best k falls,
-down to 0 (speculation off). With a fixed --num-speculative-tokens the controller only
+(B decoding requests) plus the step's other work (scheduling, bookkeeping, detokenizing),
+which a plain decode step pays too. These are measured as the engine runs: each model's
+forward time is fitted as alpha + beta * tokens (weighted least squares, older observations
+forgotten geometrically), the other work as a forgotten average. When the batch grows and
+the target becomes compute-bound (beta * tokens dominates), extra verified tokens stop
+being free and the best k falls, down to 0 (speculation off). With a fixed --num-speculative-tokens the controller only
 keeps statistics.
 """
 
@@ -111,6 +112,8 @@ class AdaptiveSpeculation:
     target_cost: LinearCostModel = field(default_factory=LinearCostModel)
     draft_cost: LinearCostModel = field(default_factory=LinearCostModel)
     _steps: int = 0
+    step_overhead_s: float = 0.0  # a step's work besides the target's forward, forgotten average
+    _steps_observed: int = 0
     _rng: random.Random = field(default_factory=lambda: random.Random(0))
     last_k: int = 0
     # Index j = draft position (1-based; index 0 unused). See the module docstring.
@@ -166,19 +169,33 @@ class AdaptiveSpeculation:
                 if j < cap:
                     self._go[j].add(j <= accepted and j < num_drafts, w)
 
+    def observe_step(self, num_tokens: int, forward_s: float, other_s: float) -> None:
+        """A decode/verify step: the target's forward (with sampling) over ``num_tokens``
+        tokens took ``forward_s``; the rest of the step ``other_s``."""
+        self.target_cost.observe(num_tokens, forward_s)
+        f = self.target_cost.forget
+        self.step_overhead_s = other_s if self._steps_observed == 0 else f * self.step_overhead_s + (1 - f) * other_s
+        self._steps_observed += 1
+
     def round_figures(self, cap: int) -> tuple[float, float]:
         """(tokens, drafts) per request per round expected under ``cap``."""
+        return self._all_round_figures(cap)[cap - 1]
+
+    def _all_round_figures(self, k_max: int) -> list[tuple[float, float]]:
+        """round_figures for caps 1..k_max in one pass (each cap extends the one below)."""
         acc_all = self.acceptance_rate
         more_all = self._pooled(self._more, 1.0)
         go_all = self._pooled(self._go, acc_all * more_all)
         tokens, drafts = 1.0, 0.0
         reach, exists = 1.0, 1.0
-        for j in range(1, cap + 1):
+        out = []
+        for j in range(1, k_max + 1):
             drafts += exists
             tokens += reach * self._share(self._acc, j, acc_all)
             reach *= self._share(self._go, j, go_all)
             exists *= self._share(self._more, j, more_all)
-        return tokens, drafts
+            out.append((tokens, drafts))
+        return out
 
     def choose_k(self, num_decoding: int) -> int:
         if self.fixed_k is not None:
@@ -194,13 +211,16 @@ class AdaptiveSpeculation:
             self.last_k = self._rng.randint(0, self.k_max)  # keep the cost fits fresh
             return self.last_k
         b = num_decoding
-        best_k, best_rate = 0, b / self.target_cost.predict(b)
-        for k in range(1, self.k_max + 1):
-            tokens, drafts = self.round_figures(k)
+        other = self.step_overhead_s
+        t_alpha, t_beta = self.target_cost.params()
+        d_alpha, d_beta = self.draft_cost.params()
+        draft_step = d_alpha + d_beta * b
+        best_k, best_rate = 0, b / (t_alpha + t_beta * b + other)
+        for k, (tokens, drafts) in enumerate(self._all_round_figures(self.k_max), start=1):
             # The chain runs while any row drafts: one row's own count of forwards, drifting
             # to the cap as the batch grows.
             forwards = drafts + (k - drafts) * (1.0 - 1.0 / b)
-            seconds = self.target_cost.predict(b * (1.0 + drafts)) + forwards * self.draft_cost.predict(b)
+            seconds = t_alpha + t_beta * b * (1.0 + drafts) + other + forwards * draft_step
             rate = b * tokens / seconds
             if rate > best_rate:
                 best_k, best_rate = k, rate
