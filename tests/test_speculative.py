@@ -324,3 +324,17 @@ def test_draft_chain_fast_path_matches_the_general_forward(llama_checkpoint, dra
     fast = prop._chain_forward(inputs[1:2], chain, 0, seqs[1][-2:], 2)
     ref = prop._forward([seqs[1][-2:]], [len(seqs[1]) - 2], tables[1:2], [True])
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_large_draft_stays_in_pytorch_by_default(llama_checkpoint, draft_checkpoint, monkeypatch):
+    """Past NUMPY_DRAFT_MAX_PARAMETERS the NumPy step is not used unless asked for, and the
+    draft keeps the target's dtype."""
+    import tailserve.engine.llm_engine as engine_mod
+
+    path, _ = llama_checkpoint
+    kw = dict(dtype="bfloat16", kv_cache_memory_bytes=4 << 20, speculative_model=str(draft_checkpoint))
+    monkeypatch.setattr(engine_mod, "NUMPY_DRAFT_MAX_PARAMETERS", 1000)
+    prop = LLM(str(path), **kw).engine.proposer
+    assert prop.numpy_step is None and prop.model.embed_tokens.dtype == torch.bfloat16
+    prop = LLM(str(path), speculative_draft_numpy=True, **kw).engine.proposer
+    assert prop.numpy_step is not None and prop.model.embed_tokens.dtype == torch.float32

@@ -45,7 +45,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the draft model's dtype (auto: the target's)")
     s.add_argument("--speculative-draft-numpy", action=argparse.BooleanOptionalAction, default=None,
                    help="run a single sequence's draft steps in NumPy on the CPU (float32 draft); "
-                        "default: whenever possible")
+                        "default: on the CPU for drafts of up to 8M parameters")
     s.add_argument("--speculative-draft-stop-margin", type=float, default=None,
                    help="stop a request's draft chain after a draft whose top-1 minus top-2 draft "
                         "probability is below this; 0: always draft k tokens (default: 0.02 with "

@@ -84,7 +84,8 @@ class EngineConfig:
     # acceptance depends on q.
     speculative_draft_dtype: str = "auto"
     # Run a single sequence's draft-chain steps in NumPy (CPU, float32 draft, no sliding
-    # window; see spec/numpy_draft.py). None: whenever possible; True: required; False: off.
+    # window; see spec/numpy_draft.py). None: when possible and the draft is small (up to
+    # NUMPY_DRAFT_MAX_PARAMETERS); True: required; False: off.
     speculative_draft_numpy: bool | None = None
     # A request's draft chain stops after a draft whose top-1 minus top-2 probability (in the
     # draft's own q) is below this; 0 = always draft k tokens. None: DEFAULT_DRAFT_STOP_MARGIN

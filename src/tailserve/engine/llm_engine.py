@@ -33,7 +33,7 @@ from tailserve.model.tokenizer import Tokenizer
 from tailserve.outputs import CompletionOutput, RequestOutput
 from tailserve.sampling_params import SamplingParams
 from tailserve.spec.adaptive import AdaptiveSpeculation
-from tailserve.spec.numpy_draft import NumpyDraftStep
+from tailserve.spec.numpy_draft import NUMPY_DRAFT_MAX_PARAMETERS, NumpyDraftStep
 from tailserve.spec.proposer import DraftModelProposer, HybridProposer, NgramProposer, ProposalInput
 from tailserve.spec.stats import SpecDecodeStats
 
@@ -85,8 +85,11 @@ class LLMEngine:
             draft_arch = load_arch_config(draft_dir)
             draft_numpy = config.speculative_draft_numpy
             if draft_numpy is None:
+                # Only small drafts: NumPy reads float32 weights (twice PyTorch's bf16 bytes), which
+                # outweighs the per-operation overhead it saves beyond a few million parameters.
                 draft_numpy = (self.device.type == "cpu" and config.speculative_draft_dtype in ("auto", "float32")
-                               and draft_arch.sliding_window is None)
+                               and draft_arch.sliding_window is None
+                               and draft_arch.num_parameters <= NUMPY_DRAFT_MAX_PARAMETERS)
             elif draft_numpy and draft_arch.sliding_window is not None:
                 raise ConfigError("speculative_draft_numpy: the NumPy draft step has no sliding window, "
                                   "and this draft model uses one")

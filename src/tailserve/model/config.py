@@ -73,6 +73,14 @@ class ModelArchConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def num_parameters(self) -> int:
+        """Weights of the checkpoint (norms and biases left out: they are negligible)."""
+        per_layer = (self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
+                     + 3 * self.hidden_size * self.intermediate_size)
+        heads = 1 if self.tie_word_embeddings else 2
+        return self.num_layers * per_layer + heads * self.vocab_size * self.hidden_size
+
 
 def read_json(path: pathlib.Path) -> dict[str, Any]:
     if not path.is_file():
