@@ -3,7 +3,7 @@
 A small draft model's forward on the CPU is dominated by per-operation overhead, not by
 arithmetic: the built-in 1-layer draft runs ~30 PyTorch operations per token at 10-20 us
 each (dispatch, autograd-free checks, allocation), ~0.55 ms per forward, while the same
-step written with NumPy (whose small-array operations cost ~1 us) takes ~0.15 ms. At
+step written with NumPy (whose small-array operations cost ~1 us) takes ~0.22 ms. At
 batch 1 the draft chain is a third of a speculative round, so this is where batch-1
 speculation gains most. The step reads and writes the draft's own paged KV cache (float32
 tensors viewed as arrays, no copy), so it interleaves freely with the PyTorch path, which
