@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from tailserve.spec.adaptive import AdaptiveSpeculation, expected_tokens
+from tailserve.spec.adaptive import AdaptiveSpeculation
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """The geometric model's closed form: E[tokens] = (1 - a^(k+1)) / (1 - a)."""
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
 def _feed_costs(ctl: AdaptiveSpeculation, target: tuple[float, float], draft: tuple[float, float]) -> None:

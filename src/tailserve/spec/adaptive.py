@@ -22,8 +22,8 @@ which a plain decode step pays too. These are measured as the engine runs: each 
 forward time is fitted as alpha + beta * tokens (weighted least squares, older observations
 forgotten geometrically), the other work as a forgotten average. When the batch grows and
 the target becomes compute-bound (beta * tokens dominates), extra verified tokens stop
-being free and the best k falls, down to 0 (speculation off). With a fixed --num-speculative-tokens the controller only
-keeps statistics.
+being free and the best k falls, down to 0 (speculation off). With a fixed
+--num-speculative-tokens the controller only keeps statistics.
 """
 
 from __future__ import annotations
@@ -79,13 +79,6 @@ class LinearCostModel:
     def predict(self, tokens: float) -> float:
         alpha, beta = self.params()
         return alpha + beta * tokens
-
-
-def expected_tokens(a: float, k: int) -> float:
-    """E[tokens per round] = (1 - a^(k+1)) / (1 - a) = 1 + a + ... + a^k."""
-    if a >= 1.0:
-        return float(k + 1)
-    return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
 @dataclass
