@@ -74,22 +74,33 @@ def test_cli_uses_the_builtin_model_by_default():
 
 
 @pytest.mark.slow
+def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    """Run a command; on failure the assertion shows its stderr, not only the exit code."""
+    out = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    assert out.returncode == 0, f"{cmd} exited {out.returncode}:\n{out.stderr[-4000:]}"
+    return out
+
+
 def test_wheel_carries_the_assets_into_a_fresh_venv(tmp_path):
     """pip install of the project into a new virtual environment, outside the source tree."""
     wheel_dir = tmp_path / "wheel"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(wheel_dir), str(REPO)], check=True, timeout=600)
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+          "-w", str(wheel_dir), str(REPO)], timeout=600)
     wheel = next(wheel_dir.glob("tailserve-*.whl"))
     venv = tmp_path / "venv"
-    # System site-packages give the venv torch & co. without a download; tailserve itself
-    # comes only from the wheel.
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     py = venv / "bin" / "python"
-    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(wheel)],
-                   check=True, timeout=600)
+    # The running interpreter's packages (torch & co., from a venv or not) reach the new venv
+    # through a .pth of plain paths, without a download. Plain paths: the outer environment's
+    # own .pth files (an editable install of tailserve) are not processed, so tailserve
+    # itself comes only from the wheel.
+    outer = sorted({sysconfig.get_paths()[k] for k in ("purelib", "platlib")})
+    inner = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    pathlib.Path(inner, "_outer_site.pth").write_text("\n".join(outer) + "\n")
+    _run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(wheel)], timeout=600)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    where = subprocess.run([str(py), "-c", "import tailserve, sys; print(tailserve.__file__)"], cwd=tmp_path,
-                           capture_output=True, text=True, env=env, check=True)
+    where = _run([str(py), "-c", "import tailserve, sys; print(tailserve.__file__)"], cwd=tmp_path, env=env)
     assert str(venv) in where.stdout
     out = subprocess.run([str(venv / "bin" / "tailserve"), "generate", "--max-tokens", "8", "import os"],
                          cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
