@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tailserve.spec.adaptive import AdaptiveSpeculation
+from tailserve.speculative.adaptive import AdaptiveSpeculation
 
 
 def expected_tokens(a: float, k: int) -> float:

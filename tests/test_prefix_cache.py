@@ -21,9 +21,9 @@ def test_shared_64_token_prefix_reuses_4_blocks_and_skips_their_compute(llama_ch
     computed = []
     original = llm.engine.runner.execute
 
-    def spy(sched, params, *rest):
+    def spy(sched):
         computed.append(sched.num_scheduled_tokens)
-        return original(sched, params, *rest)
+        return original(sched)
 
     llm.engine.runner.execute = spy
     second_prompt = [*prefix, 11, 12, 13, 14, 15]
@@ -43,9 +43,9 @@ def test_hash_collisions_never_share_kv(llama_checkpoint):
     path, _ = llama_checkpoint
     llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=2 << 20)
     eng = llm.engine
-    eng.block_pool = BlockPool(eng.block_pool.num_blocks, eng.block_pool.block_size, True,
-                               hash_fn=lambda parent, toks: 7)
-    eng.scheduler.pool = eng.block_pool
+    eng.core.block_pool = BlockPool(eng.block_pool.num_blocks, eng.block_pool.block_size, True,
+                                    hash_fn=lambda parent, toks: 7)
+    eng.scheduler.pool = eng.core.block_pool
     prompts = [[i + 2] * 40 for i in range(4)]
     collide = llm.generate(prompts, GREEDY) + llm.generate(prompts[::-1], GREEDY)
     plain = LLM(str(path), dtype="float32", enable_prefix_caching=False, kv_cache_memory_bytes=2 << 20)

@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 
 from tailserve.config import SchedulerConfig
 from tailserve.engine.request import Request, RequestStatus
-from tailserve.engine.scheduler import ModelRunnerOutput, Scheduler
+from tailserve.engine.scheduler import Scheduler
+from tailserve.engine.scheduler_output import ModelRunnerOutput
 from tailserve.memory.block_pool import BlockPool
 from tailserve.sampling_params import SamplingParams
 
@@ -36,10 +37,10 @@ def test_decodes_and_prefills_share_a_step():
     s = make()
     s.add_request(req("a", 6))
     out, _ = run_step(s)
-    assert [(q.request_id, len(q.token_ids), q.sample) for q in out.scheduled] == [("a", 6, True)]
+    assert [(q.request_id, q.num_tokens, q.sample) for q in out.scheduled] == [("a", 6, True)]
     s.add_request(req("b", 9, start=100))
     out, _ = run_step(s)
-    assert [(q.request_id, len(q.token_ids)) for q in out.scheduled] == [("a", 1), ("b", 9)]
+    assert [(q.request_id, q.num_tokens) for q in out.scheduled] == [("a", 1), ("b", 9)]
 
 
 def test_chunked_prefill_splits_long_prompt_while_decodes_continue():
@@ -48,12 +49,12 @@ def test_chunked_prefill_splits_long_prompt_while_decodes_continue():
     run_step(s)
     s.add_request(req("long", 20, start=100))
     out, _ = run_step(s)
-    assert [(q.request_id, len(q.token_ids), q.sample) for q in out.scheduled] == [("a", 1, True), ("long", 7, False)]
+    assert [(q.request_id, q.num_tokens, q.sample) for q in out.scheduled] == [("a", 1, True), ("long", 7, False)]
     out, _ = run_step(s)
-    assert [(q.request_id, len(q.token_ids), q.sample) for q in out.scheduled] == [("a", 1, True), ("long", 7, False)]
+    assert [(q.request_id, q.num_tokens, q.sample) for q in out.scheduled] == [("a", 1, True), ("long", 7, False)]
     out, updates = run_step(s)
-    assert [(q.request_id, len(q.token_ids), q.sample) for q in out.scheduled] == [("a", 1, True), ("long", 6, True)]
-    assert {u.request.request_id for u in updates} == {"a", "long"}
+    assert [(q.request_id, q.num_tokens, q.sample) for q in out.scheduled] == [("a", 1, True), ("long", 6, True)]
+    assert {u.request_id for u in updates} == {"a", "long"}
 
 
 def test_without_chunked_prefill_a_prompt_waits_for_budget():
@@ -92,7 +93,7 @@ def test_preempts_most_recent_request_and_readmits_it():
         run_step(s)
     out, _ = run_step(s)
     # Recompute covers prompt + the outputs it already had; nothing is sampled twice.
-    assert out.scheduled[0].request_id == "b" and len(out.scheduled[0].token_ids) == 7 + len(outputs_before)
+    assert out.scheduled[0].request_id == "b" and out.scheduled[0].num_tokens == 7 + len(outputs_before)
     assert b.output_token_ids[: len(outputs_before)] == outputs_before
 
 
@@ -102,10 +103,10 @@ def test_eos_and_max_tokens_finish_and_free_blocks():
     s.add_request(req("b", 5, max_tokens=10))
     run_step(s)
     _, updates = run_step(s, per_request={"b": EOS})
-    assert {u.request.request_id: u.finished for u in updates} == {"a": False, "b": True}
+    assert {u.request_id: u.finished for u in updates} == {"a": False, "b": True}
     assert s.requests["a"].output_token_ids == [5, 5]
     _, updates = run_step(s)
-    assert updates[0].finished and updates[0].request.status == RequestStatus.FINISHED_LENGTH
+    assert updates[0].finished and updates[0].finish_reason == "length"
     assert s.pool.num_used_blocks == 0
     assert not s.has_unfinished_requests()
 
@@ -119,7 +120,7 @@ def test_prefix_hit_counts_and_skips_compute():
     s.add_request(Request("b", [*shared, 9], SamplingParams(max_tokens=2), frozenset(), 1024))
     out, _ = run_step(s)
     b = next(q for q in out.scheduled if q.request_id == "b")
-    assert b.start_pos == 64 and b.token_ids == [9]
+    assert b.start_pos == 64 and b.num_tokens == 1
     assert s.requests["b"].num_cached_tokens == 64
     assert s.pool.stats.hits_tokens == 64
     assert s.requests["b"].block_ids[:4] == a_blocks[:4]
@@ -199,3 +200,93 @@ def test_random_add_step_abort_never_leaks_blocks(ops, num_blocks, block_size, b
     assert pool.num_used_blocks == 0
     assert all(b.ref_count == 0 for b in pool.blocks)
     assert pool.num_free_blocks == num_blocks  # every block free or cached-and-evictable
+
+
+def test_worker_gets_full_data_once_then_deltas_and_again_after_preemption():
+    s = make(num_blocks=4, block_size=4, prefix=False)
+    s.add_request(req("a", 6, max_tokens=6))
+    s.add_request(req("b", 7, max_tokens=6, start=100))
+    out, _ = run_step(s)
+    assert [n.request_id for n in out.new_requests] == ["a", "b"] and not out.cached_requests
+    assert out.new_requests[1].token_ids == tuple(range(100, 107)) and len(out.new_requests[1].block_ids) == 2
+    out, _ = run_step(s)
+    assert not out.new_requests and [(c.request_id, c.new_block_ids) for c in out.cached_requests] == [("a", ()),
+                                                                                                         ("b", ())]
+    out, _ = run_step(s)  # b preempted when it needs a third block
+    assert out.preempted_ids == ["b"] and [c.request_id for c in out.cached_requests] == ["a"]
+    out, _ = run_step(s)  # a at position 8: its third block is sent as a delta
+    assert [len(c.new_block_ids) for c in out.cached_requests] == [1]
+    # The output carries copies: later scheduler changes do not show through.
+    sent = out.cached_requests[0].new_block_ids
+    s.requests["a"].block_ids.append(99)
+    assert sent == out.cached_requests[0].new_block_ids and 99 not in sent
+    s.requests["a"].block_ids.pop()
+    while s.requests.get("a"):
+        run_step(s)
+    out, _ = run_step(s)
+    nb = out.new_requests[0]
+    assert nb.request_id == "b" and len(nb.token_ids) == 7 + len(s.requests["b"].output_token_ids) - 1
+
+
+def spec_scheduler(k=3, num_blocks=64, fixed=True):
+    from tailserve.speculative.adaptive import AdaptiveSpeculation
+
+    pool = BlockPool(num_blocks, 4, False)
+    return Scheduler(SchedulerConfig(8, 64, True), pool, AdaptiveSpeculation(k_max=k, fixed_k=k if fixed else None))
+
+
+def test_scheduler_owns_the_speculative_round():
+    """Lookahead slots reserved in schedule(); drafts come back in ModelRunnerOutput, are
+    verified next step, and rejected ones are rolled back."""
+    s = spec_scheduler(k=3)
+    s.add_request(req("a", 6, max_tokens=20))
+    out = s.schedule()
+    (a,) = out.scheduled
+    assert a.sample and a.num_lookahead_tokens == 3
+    # The step adds up to 6 + 1 tokens, the chain writes K/V up to 2 past them: 9 slots.
+    assert len(s.requests["a"].block_ids) * 4 >= a.start_pos + a.num_tokens + 3
+    s.update(out, ModelRunnerOutput({"a": [50]}, draft_token_ids={"a": [51, 52, 53]}, draft_caps={"a": 3}))
+    out = s.schedule()
+    (a,) = out.scheduled
+    assert a.start_pos == 6 and a.num_tokens == 4 and a.draft_token_ids == (51, 52, 53)
+    # Two drafts accepted, the third rejected: 51, 52 and the target's own 60.
+    (co,) = s.update(out, ModelRunnerOutput({"a": [51, 52, 60]}, draft_token_ids={"a": [61]}, draft_caps={"a": 3}))
+    assert co.new_token_ids == [51, 52, 60] and co.num_draft_tokens == 3 and co.num_accepted_tokens == 2
+    r = s.requests["a"]
+    assert r.num_computed_tokens == 9 and r.all_token_ids[6:] == [50, 51, 52, 60]  # 53's slot rolled back
+    assert s.spec_stats.num_draft_tokens == 3 and s.spec_stats.num_accepted_tokens == 2
+
+
+def test_drafts_are_trimmed_to_the_room_left():
+    s = spec_scheduler(k=3)
+    s.add_request(req("a", 6, max_tokens=3))
+    out = s.schedule()
+    s.update(out, ModelRunnerOutput({"a": [50]}, draft_token_ids={"a": [51, 52, 53]}, draft_caps={"a": 3}))
+    # 1 of 3 outputs so far: at most 1 draft, so that draft + bonus stay within max_tokens.
+    assert s.requests["a"].spec_token_ids == [51]
+    out = s.schedule()
+    assert out.scheduled[0].draft_token_ids == (51,) and out.scheduled[0].num_lookahead_tokens <= 1
+
+
+def test_no_lookahead_without_free_blocks_and_nobody_is_preempted_for_it():
+    s = spec_scheduler(k=3, num_blocks=2)
+    s.add_request(req("a", 7, max_tokens=1 + 0))
+    out = s.schedule()
+    assert out.scheduled[0].num_lookahead_tokens == 0 and not out.preempted_ids  # max_tokens leaves no room
+    s2 = spec_scheduler(k=3, num_blocks=2)
+    s2.add_request(req("b", 7, max_tokens=5))
+    out = s2.schedule()
+    # 7 tokens fill 2 blocks of 4 up to one slot; 3 drafts would need a third block.
+    assert out.scheduled[0].num_lookahead_tokens == 0 and not out.preempted_ids
+
+
+def test_seeded_sampled_requests_draft_a_fixed_k_under_adaptive_speculation():
+    s = spec_scheduler(k=8, fixed=False)
+    s.add_request(Request("seeded", list(range(10, 16)), SamplingParams(temperature=1.0, seed=3, max_tokens=30),
+                          frozenset({EOS}), 1024))
+    s.add_request(Request("greedy", list(range(20, 26)), SamplingParams(temperature=0, max_tokens=30),
+                          frozenset({EOS}), 1024))
+    s.speculation.choose_k = lambda num_decoding: 0  # timing says: speculation off
+    out = s.schedule()
+    la = {q.request_id: q.num_lookahead_tokens for q in out.scheduled}
+    assert la == {"seeded": s.seeded_k, "greedy": 0} and s.seeded_k == 4

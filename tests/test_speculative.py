@@ -91,9 +91,8 @@ def test_prefix_hit_reuses_only_blocks_the_draft_filled(llama_checkpoint, draft_
     assert sum(b.draft_filled for b in blocks) >= 2
     # Same prompt again: the two full prompt blocks are hits and the draft skips them too.
     eng.add_request(prompt, GREEDY)
-    eng.scheduler.schedule(0)
-    req = next(iter(eng.scheduler.requests.values()))
-    assert req.num_computed_tokens == 32 and req.num_draft_seen == 32
+    new = eng.scheduler.schedule(0).new_requests[0]  # what the worker is told at admission
+    assert new.num_computed_tokens == 32 and new.num_draft_computed_tokens == 32
     # A hit block whose draft K/V was never written (flag cleared) stops the draft's reuse there.
     eng2 = LLM(str(path), dtype="float32", kv_cache_memory_bytes=4 << 20, speculative_model=str(draft_checkpoint),
                num_speculative_tokens=3).engine
@@ -104,9 +103,8 @@ def test_prefix_hit_reuses_only_blocks_the_draft_filled(llama_checkpoint, draft_
         if b.block_hash is not None and b.token_ids == tuple(prompt[16:32]):
             b.draft_filled = False
     eng2.add_request(prompt, GREEDY)
-    eng2.scheduler.schedule(0)
-    req = next(iter(eng2.scheduler.requests.values()))
-    assert req.num_computed_tokens == 32 and req.num_draft_seen == 16
+    new = eng2.scheduler.schedule(0).new_requests[0]
+    assert new.num_computed_tokens == 32 and new.num_draft_computed_tokens == 16
 
 
 @pytest.mark.parametrize("margin", [0.0, 0.999])
@@ -256,7 +254,7 @@ def test_numpy_draft_step_matches_pytorch(llama_checkpoint, tmp_path, kind):
     """The NumPy chain step (one sequence) gives the PyTorch path's logits and writes the same
     K/V: single tokens and two-token catch-ups, GQA, biases, q/k norms, tied heads, scaled
     rotary tables."""
-    from tailserve.spec.proposer import ProposalInput
+    from tailserve.speculative.proposer import ProposalInput
 
     path, _ = llama_checkpoint
     draft = save_checkpoint(build_hf_model(kind, seed=4), tmp_path / kind)
@@ -287,7 +285,7 @@ def test_draft_chain_fast_path_matches_the_general_forward(llama_checkpoint, dra
     per-round slot tables (decode_metadata); their logits must equal the general metadata
     path's, with ragged contexts in one batch.
     A sliding-window draft (window 8, shorter than the contexts) takes the general path."""
-    from tailserve.spec.proposer import ProposalInput
+    from tailserve.speculative.proposer import ProposalInput
 
     path, _ = llama_checkpoint
     draft = draft_checkpoint
@@ -329,7 +327,7 @@ def test_draft_chain_fast_path_matches_the_general_forward(llama_checkpoint, dra
 def test_large_draft_stays_in_pytorch_by_default(llama_checkpoint, draft_checkpoint, monkeypatch):
     """Past NUMPY_DRAFT_MAX_PARAMETERS the NumPy step is not used unless asked for, and the
     draft keeps the target's dtype."""
-    import tailserve.engine.llm_engine as engine_mod
+    import tailserve.engine.worker as engine_mod
 
     path, _ = llama_checkpoint
     kw = dict(dtype="bfloat16", kv_cache_memory_bytes=4 << 20, speculative_model=str(draft_checkpoint))

@@ -84,7 +84,7 @@ class EngineConfig:
     # acceptance depends on q.
     speculative_draft_dtype: str = "auto"
     # Run a single sequence's draft-chain steps in NumPy (CPU, float32 draft, no sliding
-    # window; see spec/numpy_draft.py). None: when possible and the draft is small (up to
+    # window; see speculative/numpy_draft.py). None: when possible and the draft is small (up to
     # NUMPY_DRAFT_MAX_PARAMETERS); True: required; False: off.
     speculative_draft_numpy: bool | None = None
     # A request's draft chain stops after a draft whose top-1 minus top-2 probability (in the

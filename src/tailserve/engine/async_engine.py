@@ -25,7 +25,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from tailserve.engine.llm_engine import LLMEngine, PreparedRequest
+from tailserve.engine.llm_engine import EngineStepError, LLMEngine, PreparedRequest
 from tailserve.errors import TailserveError
 from tailserve.outputs import RequestOutput
 
@@ -161,7 +161,13 @@ class AsyncEngine:
                 self._just_added = set()
             try:
                 outputs = self.engine.step()
-            except Exception as e:  # a bug or a device error: fail the requests in flight, keep serving
+            except EngineStepError as e:  # a bug or a device error in one step: fail its requests, keep serving
+                log.error("engine step failed; failing its %d requests %s: %s", len(e.request_ids), e.request_ids,
+                          e, exc_info=e.__cause__)
+                for rid in e.request_ids:
+                    self._deliver(rid, EngineRequestError(f"internal error while generating request {rid}: {e}"))
+                continue
+            except Exception as e:  # outside any one step's work: fail every request in flight, keep serving
                 ids = list(self.engine.scheduler.requests)
                 log.exception("engine step failed; failing %d requests: %s", len(ids), ids)
                 for rid in ids:

@@ -1,40 +1,74 @@
-"""Turns a ``SchedulerOutput`` into one forward pass and sampled tokens.
+"""Turns a ``SchedulerOutput`` into one forward pass, sampled tokens and the next drafts.
 
-All scheduled work of a step (prefill chunks and decodes) is one flat batch of tokens. The
-runner builds the inputs and attention metadata, runs the model, computes logits only at
-the positions that sample, and samples. It keeps per-request seeded generators; it never
-decides policy.
+The runner keeps a persistent per-request state (token ids, block table, seeded generator,
+what the draft model holds, the draft probabilities of the drafts in flight), built from a
+request's ``NewRequestData`` once and then updated from each step's deltas and from its own
+sampled tokens; the scheduler's ``Request`` objects are never shared with it.
+
+All scheduled work of a step (prefill chunks, decodes, verifications) is one flat batch of
+tokens. The runner builds the inputs and attention metadata, runs the model, computes
+logits only at the positions that sample, samples (or verifies drafts with the rejection
+sampler), then asks the proposer for the next round's drafts where the scheduler reserved
+room for them. Draft probabilities stay here. It never decides policy.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
+
 import torch
 
 from tailserve.engine.sampler import Sampler, SamplingTensors, fast_argmax
-from tailserve.engine.scheduler import ModelRunnerOutput, SchedulerOutput
+from tailserve.engine.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from tailserve.model.attention import build_attention_metadata
 from tailserve.model.config import ModelArchConfig
 from tailserve.model.llama import LlamaFamilyModel
 from tailserve.sampling_params import SamplingParams
-from tailserve.spec.rejection_sampler import RejectionSampler, greedy_rows
+from tailserve.speculative.proposer import DraftModelProposer, HybridProposer, NgramProposer, ProposalInput
+from tailserve.speculative.rejection_sampler import RejectionSampler, greedy_rows
+
+Proposer = DraftModelProposer | HybridProposer | NgramProposer
+
+
+@dataclass
+class CachedRequestState:
+    """The worker's view of one live request."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_draft_seen: int = 0  # tokens whose K/V the draft model holds
+    draft_token_ids: list[int] = field(default_factory=list)  # proposed last step, verified next
+    draft_probs: torch.Tensor | None = None  # (k, V) q of those drafts; None = greedy or one-hot
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
 
 class ModelRunner:
     def __init__(self, model: LlamaFamilyModel, arch: ModelArchConfig, kv_caches: list[torch.Tensor],
-                 block_size: int, device: torch.device, seed: int = 0) -> None:
+                 block_size: int, device: torch.device, seed: int = 0, max_model_len: int | None = None,
+                 proposer: Proposer | None = None) -> None:
         self.model = model
         self.arch = arch
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        self.max_model_len = max_model_len or arch.max_position_embeddings
         self.sampler = Sampler(arch.vocab_size, device, seed)
         self.rejection_sampler = RejectionSampler(self.sampler.generator)
+        self.proposer = proposer
+        self.requests: dict[str, CachedRequestState] = {}
+        self.last_propose_s = 0.0  # the last step's proposal, for the controller's step costs
         self._generators: dict[str, torch.Generator] = {}
 
     def generator_for(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
-        return self._generator(request_id, params)
-
-    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
+        """A seeded request's own generator (kept across preemptions, dropped when it finishes)."""
         if params.seed is None or params.greedy:
             return None
         g = self._generators.get(request_id)
@@ -44,84 +78,192 @@ class ModelRunner:
             self._generators[request_id] = g
         return g
 
-    def forget(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
+    # -- the persistent batch ------------------------------------------------------------------
+    def _apply(self, sched: SchedulerOutput) -> None:
+        for rid in sched.finished_ids:
+            self.requests.pop(rid, None)
+            self._generators.pop(rid, None)
+        for rid in sched.preempted_ids:
+            self.requests.pop(rid, None)  # resumed later with its full data
+        for nr in sched.new_requests:
+            self.requests[nr.request_id] = self._new_state(nr)
+        for cr in sched.cached_requests:
+            st = self.requests[cr.request_id]
+            st.block_ids.extend(cr.new_block_ids)
+            if st.num_computed_tokens != cr.num_computed_tokens:
+                raise RuntimeError(f"request {cr.request_id}: the worker has {st.num_computed_tokens} computed tokens, "
+                                   f"the scheduler {cr.num_computed_tokens}")
+
+    @staticmethod
+    def _new_state(nr: NewRequestData) -> CachedRequestState:
+        return CachedRequestState(nr.request_id, list(nr.token_ids), nr.num_prompt_tokens, nr.params,
+                                  list(nr.block_ids), nr.num_computed_tokens,
+                                  num_draft_seen=nr.num_draft_computed_tokens)
+
+    def free(self, finished_ids: list[str]) -> None:
+        """Drop finished requests' state (a step with nothing scheduled still reports them)."""
+        for rid in finished_ids:
+            self.requests.pop(rid, None)
             self._generators.pop(rid, None)
 
+    # -- the step ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, params: dict[str, SamplingParams],
-                draft_probs: dict[str, torch.Tensor] | None = None) -> ModelRunnerOutput:
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. Requests with draft tokens are verified: their last k+1 positions
-        are sampled through the rejection sampler (``draft_probs`` None = one-hot drafts)."""
-        self.forget(sched.finished_ids)
+        are sampled through the rejection sampler."""
+        self._apply(sched)
+        self.last_propose_s = 0.0
+        out = ModelRunnerOutput()
+        if sched.is_empty:
+            return out
+        t0 = time.perf_counter()
         input_ids: list[int] = []
         query_lens, context_lens, tables = [], [], []
         positions: list[int] = []
         sample_rows: list[int] = []
-        sample_ids: list[str] = []
-        spec = any(s.num_draft_tokens for s in sched.scheduled)
+        sampled: list[CachedRequestState] = []
         num_drafts: list[int] = []
-        for seq in sched.scheduled:
-            n = len(seq.token_ids)
-            input_ids.extend(seq.token_ids)
-            positions.extend(range(seq.start_pos, seq.start_pos + n))
-            query_lens.append(n)
-            context_lens.append(seq.start_pos + n)
-            tables.append(seq.block_ids)
-            if seq.sample:
-                k = seq.num_draft_tokens
+        drafts: list[list[int]] = []
+        spec = False
+        for s in sched.scheduled:
+            st = self.requests[s.request_id]
+            d = list(s.draft_token_ids)
+            n_real = s.num_tokens - len(d)
+            input_ids.extend(st.token_ids[s.start_pos : s.start_pos + n_real])
+            input_ids.extend(d)
+            positions.extend(range(s.start_pos, s.start_pos + s.num_tokens))
+            query_lens.append(s.num_tokens)
+            context_lens.append(s.start_pos + s.num_tokens)
+            tables.append(st.block_ids)
+            if s.sample:
+                k = len(d)
+                spec |= k > 0
                 sample_rows.extend(range(len(input_ids) - 1 - k, len(input_ids)))
-                sample_ids.append(seq.request_id)
+                sampled.append(st)
                 num_drafts.append(k)
-        if not input_ids:
-            return ModelRunnerOutput()
+                drafts.append(d)
         meta = build_attention_metadata(query_lens, context_lens, tables, self.block_size,
                                         self.arch.sliding_window, self.device)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
-        if not sample_rows:
-            return ModelRunnerOutput()
-        if len(sample_rows) < len(input_ids):
-            hidden = hidden[torch.tensor(sample_rows, device=self.device)]
-        logits = self.model.compute_logits(hidden)  # (rows, V) float32
-        plist = [params[rid] for rid in sample_ids]
-        out = ModelRunnerOutput()
-        if not spec and all(p.greedy for p in plist):
-            tokens = fast_argmax(logits)  # the common all-greedy case: nothing to prepare
-            emitted = [[t] for t in tokens.tolist()]
-            rows_of = [[i] for i in range(len(sample_ids))]
-        elif not spec:
-            st = SamplingTensors.from_params(plist, self.arch.vocab_size, self.device)
-            gens = [self._generator(rid, p) for rid, p in zip(sample_ids, plist)]
-            tokens = self.sampler.sample(logits, st, gens)
-            emitted = [[t] for t in tokens.tolist()]
-            rows_of = [[i] for i in range(len(sample_ids))]
-        else:
-            seqs = {s.request_id: s for s in sched.scheduled}
-            drafts = [seqs[rid].token_ids[len(seqs[rid].token_ids) - k:] if k else []
-                      for rid, k in zip(sample_ids, num_drafts)]
-            if all(p.greedy for p in plist):
-                # Acceptance by argmax equality needs no sampling tensors and no draft q.
-                emitted = greedy_rows(logits, num_drafts, drafts)
-            else:
-                st = SamplingTensors.from_params(plist, self.arch.vocab_size, self.device)
-                gens = [self._generator(rid, p) for rid, p in zip(sample_ids, plist)]
-                probs = None
-                if draft_probs is not None:
-                    probs = [draft_probs[rid][:k] if k and rid in draft_probs else None
-                             for rid, k in zip(sample_ids, num_drafts)]
-                emitted = self.rejection_sampler(logits, num_drafts, drafts, probs, st, gens)
-            starts = [0]
-            for k in num_drafts:
-                starts.append(starts[-1] + k + 1)
-            rows_of = [list(range(s, s + len(e))) for s, e in zip(starts, emitted)]
-        for rid, toks in zip(sample_ids, emitted):
-            out.sampled_token_ids[rid] = toks
-        want = [p.logprobs for p in plist]
-        if any(k is not None for k in want):
-            for rid, k, rows, toks in zip(sample_ids, want, rows_of, emitted):
-                if k is not None:
-                    sel = logits[torch.tensor(rows, device=self.device)]
-                    out.logprobs[rid] = Sampler.logprobs(sel, torch.tensor(toks, device=self.device), [k] * len(toks))
+        if sampled:
+            if len(sample_rows) < len(input_ids):
+                hidden = hidden[torch.tensor(sample_rows, device=self.device)]
+            logits = self.model.compute_logits(hidden)  # (rows, V) float32
+            emitted, rows_of = self._sample(logits, sampled, num_drafts, drafts, spec)
+            self._logprobs(out, logits, sampled, rows_of, emitted)
+            for st, toks in zip(sampled, emitted):
+                out.sampled_token_ids[st.request_id] = toks
+        out.target_forward_s = time.perf_counter() - t0
+        self._advance(sched, out)
+        if self.proposer is not None:
+            self._propose(sched, out)
         return out
+
+    def _sample(self, logits: torch.Tensor, sampled: list[CachedRequestState], num_drafts: list[int],
+                drafts: list[list[int]], spec: bool) -> tuple[list[list[int]], list[list[int]]]:
+        plist = [st.params for st in sampled]
+        if not spec:
+            if all(p.greedy for p in plist):
+                tokens = fast_argmax(logits)  # the common all-greedy case: nothing to prepare
+            else:
+                st_t = SamplingTensors.from_params(plist, self.arch.vocab_size, self.device)
+                gens = [self.generator_for(st.request_id, st.params) for st in sampled]
+                tokens = self.sampler.sample(logits, st_t, gens)
+            return [[t] for t in tokens.tolist()], [[i] for i in range(len(sampled))]
+        if all(p.greedy for p in plist):
+            # Acceptance by argmax equality needs no sampling tensors and no draft q.
+            emitted = greedy_rows(logits, num_drafts, drafts)
+        else:
+            st_t = SamplingTensors.from_params(plist, self.arch.vocab_size, self.device)
+            gens = [self.generator_for(st.request_id, st.params) for st in sampled]
+            probs = None
+            if isinstance(self.proposer, DraftModelProposer | HybridProposer):
+                probs = [st.draft_probs[:k] if k and st.draft_probs is not None else None
+                         for st, k in zip(sampled, num_drafts)]
+            emitted = self.rejection_sampler(logits, num_drafts, drafts, probs, st_t, gens)
+        starts = [0]
+        for k in num_drafts:
+            starts.append(starts[-1] + k + 1)
+        return emitted, [list(range(s, s + len(e))) for s, e in zip(starts, emitted)]
+
+    def _logprobs(self, out: ModelRunnerOutput, logits: torch.Tensor, sampled: list[CachedRequestState],
+                  rows_of: list[list[int]], emitted: list[list[int]]) -> None:
+        for st, rows, toks in zip(sampled, rows_of, emitted):
+            k = st.params.logprobs
+            if k is not None:
+                sel = logits[torch.tensor(rows, device=self.device)]
+                out.logprobs[st.request_id] = Sampler.logprobs(sel, torch.tensor(toks, device=self.device),
+                                                               [k] * len(toks))
+
+    def _advance(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> None:
+        """Apply this step to the persistent state: computed tokens, sampled tokens, and the
+        drafts consumed (verified, or dropped by the scheduler for lack of budget)."""
+        uses_draft_kv = isinstance(self.proposer, DraftModelProposer | HybridProposer)
+        for s in sched.scheduled:
+            st = self.requests[s.request_id]
+            st.draft_token_ids = []
+            st.draft_probs = None
+            if not s.sample:
+                st.num_computed_tokens += s.num_tokens
+                continue
+            toks = out.sampled_token_ids[s.request_id]
+            k = len(s.draft_token_ids)
+            m = len(toks) - 1 if k else 0
+            st.num_computed_tokens += s.num_tokens - (k - m)
+            st.token_ids.extend(toks)
+            st.num_computed_tokens = min(st.num_computed_tokens, len(st.token_ids))
+            if k and uses_draft_kv:
+                # The draft chain wrote K/V for drafts 1..k-1; the accepted ones are now valid.
+                st.num_draft_seen += min(m, k - 1)
+
+    def _propose(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> None:
+        if not any(s.num_lookahead_tokens for s in sched.scheduled):
+            return  # speculation off this step; a draft model catches up when it is back on
+        proposer = self.proposer
+        assert proposer is not None
+        uses_draft_model = isinstance(proposer, DraftModelProposer | HybridProposer)
+        bs = self.block_size
+        inputs = []
+        for s in sched.scheduled:
+            st = self.requests[s.request_id]
+            in_decode = st.num_computed_tokens >= st.num_prompt_tokens
+            kk = 0
+            if s.sample and s.num_lookahead_tokens:
+                room = min(st.params.max_tokens - st.num_output_tokens - 1,
+                           self.max_model_len - len(st.token_ids) - 1)
+                kk = max(min(s.num_lookahead_tokens, room), 0)
+            if not uses_draft_model and kk <= 0:
+                continue  # n-gram lookup has nothing to catch up on
+            valid = len(st.token_ids) if in_decode else st.num_computed_tokens
+            # The draft can only write K/V into slots the request already owns.
+            valid = min(valid, len(st.block_ids) * bs)
+            inputs.append(ProposalInput(st.request_id, st.token_ids, st.num_draft_seen, valid, st.block_ids, kk,
+                                        st.params, self.generator_for(st.request_id, st.params)))
+        if not inputs:
+            return
+        t0 = time.perf_counter()
+        proposal = proposer.propose(inputs)
+        for inp in inputs:
+            st = self.requests[inp.request_id]
+            d = proposal.draft_ids.get(inp.request_id, [])
+            st.draft_token_ids = d
+            st.num_draft_seen = proposal.num_seen.get(inp.request_id, st.num_draft_seen)
+            if proposal.draft_probs is not None and inp.request_id in proposal.draft_probs:
+                st.draft_probs = proposal.draft_probs[inp.request_id]
+            if d:
+                out.draft_token_ids[inp.request_id] = list(d)
+            out.draft_caps[inp.request_id] = inp.k
+            if uses_draft_model:
+                out.num_draft_computed[inp.request_id] = st.num_draft_seen
+        self.last_propose_s = time.perf_counter() - t0
+        drafted = sum(1 for i in inputs if i.k > 0)
+        if drafted and proposal.num_forwards:
+            # Per step of a steady-state round (early stops make rounds shorter than k): the
+            # whole proposal, overheads included. A catch-up over a prompt, or over what was
+            # generated while speculation was off, is not observed: charged to its few steps
+            # it made a draft forward look ten times dearer, and the controller then kept
+            # speculation off.
+            out.draft_step_s = self.last_propose_s / proposal.num_forwards
+            out.num_drafting = drafted

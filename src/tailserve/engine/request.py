@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from tailserve.metrics.timeline import RequestTimeline
 from tailserve.sampling_params import SamplingParams
 
 
@@ -26,7 +25,8 @@ class RequestStatus(enum.Enum):
 @dataclass(eq=False)
 class Request:
     """Invariant: 0 <= num_computed_tokens <= num_tokens, and the request's blocks hold the
-    K/V of exactly its first num_computed_tokens tokens."""
+    K/V of exactly its first num_computed_tokens tokens (blocks past them are reserved for
+    the tokens of the step in flight and for the draft tokens it will propose)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -43,10 +43,16 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
     num_preemptions: int = 0
     stop_reason: int | str | None = None
-    timeline: RequestTimeline | None = None  # None when the engine records no metrics
+    # What the worker has been sent: None = nothing yet (new, or resumed after a preemption:
+    # its full data goes out next step); else the number of block ids it knows.
+    num_sent_blocks: int | None = None
+    num_draft_cached_tokens: int = 0  # at admission: leading hit tokens whose draft K/V is cached
+    # Timeline events ("scheduled" | "preempted", perf_counter_ns) not yet handed to the output
+    # processor, and whether the prefix-cache hit has been reported.
+    events: list[tuple[str, int]] = field(default_factory=list)
+    reported_cached: bool = False
     # Speculative decoding: drafts proposed at the end of the last step, to verify next.
     spec_token_ids: list[int] = field(default_factory=list)
-    num_draft_seen: int = 0  # tokens whose K/V the draft model holds
     spec_cap: int = 0  # the most drafts the last proposal could make (its chain may stop sooner)
     num_draft_marked: int = 0  # leading blocks already flagged draft_filled in the pool
     spec_num_drafts: int = 0
@@ -79,6 +85,12 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.finished else None
+
+    @property
+    def room_for_drafts(self) -> int:
+        """Draft tokens a round may still propose: leave room for the bonus token within
+        max_tokens and the context."""
+        return min(self.params.max_tokens - self.num_output_tokens - 1, self.max_model_len - self.num_tokens - 1)
 
     def append_output(self, token_id: int) -> bool:
         """Append a sampled token; return True if it ends the request (status set)."""

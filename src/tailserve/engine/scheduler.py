@@ -13,69 +13,39 @@ Policy, per step, under ``max_num_batched_tokens`` and ``max_num_seqs``:
 2. Then waiting requests, first come first served, each starting from its longest
    prefix-cache hit, while budget, sequence slots and free blocks last. No new request is
    admitted in a step that had to preempt.
+3. With speculative decoding, the scheduler owns the round: it schedules the draft tokens
+   proposed last step for verification, chooses how many to propose after this step (the
+   adaptive controller's k; a fixed k for seeded sampled requests, so their output never
+   depends on timing) and reserves their KV slots now, while free blocks last (a request
+   that cannot get them drafts nothing this round; nobody is preempted for a draft).
+   The worker returns the drafts in ``ModelRunnerOutput``; the draft model's K/V reuse on
+   prefix hits is recorded through the block pool's own API.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from tailserve.config import SchedulerConfig
 from tailserve.engine.request import Request, RequestStatus
+from tailserve.engine.scheduler_output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from tailserve.memory.block_pool import BlockPool
-
-
-@dataclass
-class ScheduledSeq:
-    """One request's share of a step: compute ``token_ids`` at positions
-    ``start_pos .. start_pos + len(token_ids) - 1``; sample a token after the last one if
-    ``sample`` (the prompt is then fully computed)."""
-
-    request_id: str
-    token_ids: list[int]
-    start_pos: int
-    block_ids: list[int]
-    sample: bool
-    is_prefill: bool
-    num_draft_tokens: int = 0  # the last this-many token_ids are drafts to verify
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted_ids: list[str] = field(default_factory=list)
-    finished_ids: list[str] = field(default_factory=list)  # finished since the previous step
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass
-class ModelRunnerOutput:
-    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
-
-
-@dataclass
-class RequestUpdate:
-    """What one step did to one request, for the engine's output processing."""
-
-    request: Request
-    new_token_ids: list[int]
-    new_logprobs: list[dict[int, float]] | None
-    finished: bool
-    num_draft_tokens: int = 0
-    num_accepted: int = 0
+from tailserve.speculative.adaptive import AdaptiveSpeculation
+from tailserve.speculative.stats import SpecDecodeStats
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool,
+                 speculation: AdaptiveSpeculation | None = None) -> None:
         self.config = config
         self.pool = pool
         self.block_size = pool.block_size
@@ -84,6 +54,13 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_since_step: list[str] = []
         self.num_preemptions = 0
+        # Speculative decoding (None: off). Seeded sampled requests draft a fixed k when k is
+        # adaptive: the controller's choice depends on measured times, a seeded output must not.
+        self.speculation = speculation
+        self.seeded_k = 0
+        if speculation is not None:
+            self.seeded_k = speculation.fixed_k or max(1, speculation.k_max // 2)
+        self.spec_stats = SpecDecodeStats()
 
     # -- queue management -----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -92,19 +69,20 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def finish_request(self, request_id: str, status: RequestStatus) -> None:
-        """End a request from outside a step (abort, or a stop string found in its text)."""
+    def finish_request(self, request_id: str, status: RequestStatus) -> list[tuple[str, int]]:
+        """End a request from outside a step (abort, or a stop string found in its text).
+        Returns its timeline events not yet reported."""
         req = self.requests.get(request_id)
         if req is None:
-            return
+            return []
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
-        if req.timeline is not None and req.timeline.finished_ns is None:
-            req.timeline.finished_ns = time.perf_counter_ns()
         self._release(req)
+        events, req.events = req.events, []
+        return events
 
     def _release(self, req: Request) -> None:
         self.pool.free(req.block_ids)
@@ -127,30 +105,27 @@ class Scheduler:
     def _blocks_needed(self, req: Request, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size) - len(req.block_ids)
 
-    def _try_allocate(self, req: Request, num_new: int) -> bool:
-        need = self._blocks_needed(req, req.num_computed_tokens + num_new)
+    def _try_allocate(self, req: Request, num_tokens: int) -> bool:
+        """Make req's blocks cover its first num_tokens positions."""
+        need = self._blocks_needed(req, num_tokens)
         if need > self.pool.num_free_blocks:
             return False
         if need > 0:
             req.block_ids.extend(self.pool.allocate(need))
         return True
 
-    def reserve(self, req: Request, num_tokens: int) -> bool:
-        """Make req's blocks cover num_tokens positions now (for draft look-ahead)."""
-        return self._try_allocate(req, num_tokens - req.num_computed_tokens)
-
     def _preempt(self, req: Request, now_ns: int) -> None:
         self.pool.free(req.block_ids)
         req.block_ids = []
         req.spec_token_ids = []
-        req.num_draft_seen = req.num_draft_marked = 0
+        req.num_draft_marked = 0
         req.num_registered_blocks = 0
         req.num_computed_tokens = 0
+        req.num_sent_blocks = None
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
-        if req.timeline is not None:
-            req.timeline.preempted_ns.append(now_ns)
+        req.events.append(("preempted", now_ns))
         self.waiting.appendleft(req)
 
     def schedule(self, now_ns: int | None = None) -> SchedulerOutput:
@@ -158,13 +133,14 @@ class Scheduler:
         out = SchedulerOutput(finished_ids=self._finished_since_step)
         self._finished_since_step = []
         budget = self.config.max_num_batched_tokens
+        chosen: list[Request] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids), budget)
             preempted_self = False
-            while not self._try_allocate(req, num_new):
+            while not self._try_allocate(req, req.num_computed_tokens + num_new):
                 victim = self.running.pop()
                 self._preempt(victim, now_ns)
                 out.preempted_ids.append(victim.request_id)
@@ -173,7 +149,8 @@ class Scheduler:
                     break
             if preempted_self:
                 break
-            out.scheduled.append(self._scheduled_seq(req, num_new))
+            out.scheduled.append(self._scheduled(req, num_new))
+            chosen.append(req)
             budget -= num_new
             i += 1
 
@@ -196,10 +173,7 @@ class Scheduler:
                 req.block_ids = list(hits)
                 req.num_computed_tokens = num_computed
                 # The draft's K/V is reusable for the leading hit blocks that it filled.
-                filled = 0
-                while filled < len(hits) and self.pool.blocks[hits[filled]].draft_filled:
-                    filled += 1
-                req.num_draft_seen = min(num_computed, filled * self.block_size)
+                req.num_draft_cached_tokens = min(num_computed, self.pool.num_draft_filled(hits) * self.block_size)
                 req.num_draft_marked = 0
                 req.num_registered_blocks = len(hits)
                 if req.num_cached_tokens < 0:
@@ -208,12 +182,51 @@ class Scheduler:
                 self.pool.stats.hits_tokens += num_computed
                 req.block_ids.extend(self.pool.allocate(need))
                 req.status = RequestStatus.RUNNING
-                if req.timeline is not None:
-                    req.timeline.on_scheduled(now_ns)
+                req.events.append(("scheduled", now_ns))
                 self.running.append(req)
-                out.scheduled.append(self._scheduled_seq(req, num_new))
+                out.scheduled.append(self._scheduled(req, num_new))
+                chosen.append(req)
                 budget -= num_new
+
+        if self.speculation is not None and out.scheduled:
+            self._reserve_lookahead(out, chosen)
+        for req in chosen:
+            self._describe(req, out)
         return out
+
+    def _reserve_lookahead(self, out: SchedulerOutput, chosen: list[Request]) -> None:
+        """Choose each sampling request's number of drafts to propose after this step and
+        reserve their KV slots (the draft model writes K/V for them during the proposal)."""
+        spec = self.speculation
+        assert spec is not None
+        num_decoding = sum(1 for s in out.scheduled if s.sample)
+        k = spec.choose_k(num_decoding) if num_decoding else 0
+        adaptive = spec.fixed_k is None
+        for idx, (s, req) in enumerate(zip(out.scheduled, chosen)):
+            if not s.sample:
+                continue
+            p = req.params
+            kk = self.seeded_k if adaptive and p.seed is not None and not p.greedy else k
+            # room_for_drafts before this step's tokens: an upper bound (the update trims).
+            kk = min(kk, req.room_for_drafts)
+            if kk <= 0:
+                continue
+            # The step adds at most num_tokens + 1 tokens; the chain then writes K/V up to
+            # kk - 1 positions past the last of them.
+            if not self._try_allocate(req, s.start_pos + s.num_tokens + kk):
+                continue
+            out.scheduled[idx] = dataclasses.replace(s, num_lookahead_tokens=kk)
+
+    def _describe(self, req: Request, out: SchedulerOutput) -> None:
+        """The request's data for the worker: all of it once, then the new block ids."""
+        if req.num_sent_blocks is None:
+            out.new_requests.append(NewRequestData(
+                req.request_id, tuple(req.all_token_ids), req.num_prompt_tokens, req.params, tuple(req.block_ids),
+                req.num_computed_tokens, req.num_draft_cached_tokens))
+        else:
+            out.cached_requests.append(CachedRequestData(
+                req.request_id, tuple(req.block_ids[req.num_sent_blocks :]), req.num_computed_tokens))
+        req.num_sent_blocks = len(req.block_ids)
 
     def _prefix_hits(self, req: Request) -> list[int]:
         if not self.pool.enable_prefix_caching:
@@ -223,45 +236,47 @@ class Scheduler:
         req.block_hashes = self.pool.hash_blocks(req.all_token_ids, eligible, known=req.block_hashes[:eligible])
         return self.pool.lookup(req.all_token_ids, req.block_hashes[:eligible])
 
-    def _scheduled_seq(self, req: Request, num_new: int) -> ScheduledSeq:
+    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         start = req.num_computed_tokens
         n_real = min(num_new, req.num_tokens - start)
         end = start + n_real
-        drafts = req.spec_token_ids[: num_new - n_real]
+        drafts = tuple(req.spec_token_ids[: num_new - n_real])
         req.spec_token_ids = []  # consumed: verified this step, or dropped for lack of budget
-        return ScheduledSeq(
+        return ScheduledRequest(
             request_id=req.request_id,
-            token_ids=req.all_token_ids[start:end] + drafts,
             start_pos=start,
-            block_ids=req.block_ids,
+            num_tokens=num_new,
+            draft_token_ids=drafts,
             sample=end == req.num_tokens,
             is_prefill=end <= req.num_prompt_tokens or (n_real > 1),
-            num_draft_tokens=len(drafts),
         )
 
     # -- results ---------------------------------------------------------------------------
-    def update(self, sched: SchedulerOutput, result: ModelRunnerOutput, now_ns: int | None = None
-               ) -> list[RequestUpdate]:
-        now_ns = time.perf_counter_ns() if now_ns is None else now_ns
-        updates = []
+    def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs = []
+        spec = self.speculation
         for seq in sched.scheduled:
             req = self.requests.get(seq.request_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # finished (aborted) while the step ran
             if not seq.sample:
-                req.num_computed_tokens += len(seq.token_ids)
+                req.num_computed_tokens += seq.num_tokens
                 self._register_full_blocks(req)
+                self._mark_draft_filled(req, result.num_draft_computed.get(req.request_id))
                 continue
             new_ids = result.sampled_token_ids.get(req.request_id, [])
-            k = seq.num_draft_tokens
+            k = len(seq.draft_token_ids)
             num_acc = max(len(new_ids) - 1, 0) if k else 0
             # Roll back the rejected drafts: their K/V slots hold garbage and are simply
             # overwritten later; only accepted tokens count as computed (and get cached).
-            req.num_computed_tokens += len(seq.token_ids) - (k - num_acc)
+            req.num_computed_tokens += seq.num_tokens - (k - num_acc)
             if k:
                 req.spec_num_drafts += 1
                 req.spec_num_draft_tokens += k
                 req.spec_num_accepted_tokens += num_acc
+                self.spec_stats.observe(k, num_acc)
+                if spec is not None:
+                    spec.observe_round(num_acc, k, req.spec_cap)
             accepted: list[int] = []
             finished = False
             for tok in new_ids:
@@ -271,17 +286,36 @@ class Scheduler:
                     break
             req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
             self._register_full_blocks(req)
-            if req.timeline is not None:
-                req.timeline.on_tokens(now_ns, len(accepted))
-                if finished:
-                    req.timeline.finished_ns = now_ns
             lps = result.logprobs.get(req.request_id)
-            updates.append(RequestUpdate(req, accepted, lps[: len(accepted)] if lps else None, finished,
-                                         k, num_acc))
+            co = EngineCoreOutput(req.request_id, accepted, lps[: len(accepted)] if lps else None, finished,
+                                  req.finish_reason, req.stop_reason, k, num_acc)
+            if not req.reported_cached:
+                co.num_cached_tokens = req.num_cached_tokens
+                req.reported_cached = True
+            if req.events:
+                co.events, req.events = req.events, []
+            outputs.append(co)
             if finished:
                 self.running.remove(req)
                 self._release(req)
-        return updates
+                continue
+            self._mark_draft_filled(req, result.num_draft_computed.get(req.request_id))
+            drafts = result.draft_token_ids.get(req.request_id)
+            if drafts:
+                req.spec_token_ids = drafts[: max(req.room_for_drafts, 0)]
+            req.spec_cap = result.draft_caps.get(req.request_id, 0)
+        if spec is not None and result.draft_step_s is not None and result.num_drafting:
+            spec.draft_cost.observe(result.num_drafting, result.draft_step_s)
+        return outputs
+
+    def _mark_draft_filled(self, req: Request, num_draft_computed: int | None) -> None:
+        """Flag the request's full blocks that now hold the draft's K/V (for prefix hits)."""
+        if num_draft_computed is None:
+            return
+        n = min(num_draft_computed // self.block_size, len(req.block_ids))
+        if n > req.num_draft_marked:
+            self.pool.mark_draft_filled(req.block_ids[req.num_draft_marked : n])
+            req.num_draft_marked = n
 
     def _register_full_blocks(self, req: Request) -> None:
         """Offer newly completed (full, computed) blocks to the prefix cache."""
@@ -296,3 +330,16 @@ class Scheduler:
             self.pool.cache_block(req.block_ids[b], req.block_hashes[b],
                                   tuple(req.all_token_ids[b * bs : (b + 1) * bs]))
         req.num_registered_blocks = full
+
+    def check_consistency(self) -> None:
+        """Raise if block ownership and the pool disagree (used by tests): every block's ref
+        count equals the number of live requests holding it."""
+        holders: dict[int, int] = {}
+        for r in self.requests.values():
+            for b in r.block_ids:
+                holders[b] = holders.get(b, 0) + 1
+        for block in self.pool.blocks:
+            if block.ref_count != holders.get(block.block_id, 0):
+                raise AssertionError(f"block {block.block_id}: ref count {block.ref_count}, "
+                                     f"held by {holders.get(block.block_id, 0)} requests")
+        self.pool.check_consistency()

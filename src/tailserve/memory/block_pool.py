@@ -163,6 +163,19 @@ class BlockPool:
         block.token_ids = token_ids
         self._cached[block_hash] = block_id
 
+    # -- draft-model K/V (speculative decoding) ---------------------------------------------
+    def mark_draft_filled(self, block_ids: Sequence[int]) -> None:
+        """These blocks now hold the draft model's K/V for all their tokens too."""
+        for block_id in block_ids:
+            self.blocks[block_id].draft_filled = True
+
+    def num_draft_filled(self, block_ids: Sequence[int]) -> int:
+        """How many leading blocks of ``block_ids`` hold the draft model's K/V."""
+        n = 0
+        while n < len(block_ids) and self.blocks[block_ids[n]].draft_filled:
+            n += 1
+        return n
+
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:
             if block.block_hash is not None and block.ref_count == 0:

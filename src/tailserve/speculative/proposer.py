@@ -18,7 +18,7 @@ from tailserve.model.attention import build_attention_metadata, decode_metadata
 from tailserve.model.config import ModelArchConfig
 from tailserve.model.llama import LlamaFamilyModel
 from tailserve.sampling_params import SamplingParams
-from tailserve.spec.numpy_draft import NumpyDraftStep
+from tailserve.speculative.numpy_draft import NumpyDraftStep
 
 
 @dataclass
@@ -115,7 +115,7 @@ class DraftModelProposer:
         self.model, self.arch, self.kv_caches = model, arch, kv_caches
         self.block_size, self.device, self.generator = block_size, device, generator
         self.stop_margin = stop_margin
-        # CPU only: chain steps of a single sequence run in NumPy (see spec/numpy_draft.py).
+        # CPU only: chain steps of a single sequence run in NumPy (see speculative/numpy_draft.py).
         self.numpy_step = numpy_step
         self.num_numpy_forwards = 0  # for tests and benchmarks
         self._block_offsets: torch.Tensor | None = None

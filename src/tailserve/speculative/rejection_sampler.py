@@ -115,7 +115,10 @@ class RejectionSampler:
         noise = torch.empty((bsz, v), device=device).exponential_(generator=self.generator)
         for i, g in enumerate(generators):
             if g is not None:
-                uniform[i] = torch.rand((kmax,), generator=g, device=device)
+                # Exactly this request's k uniforms, not the batch's maximum: what a seeded
+                # request draws must not depend on what shares its batch.
+                if num_drafts[i]:
+                    uniform[i, : num_drafts[i]] = torch.rand((num_drafts[i],), generator=g, device=device)
                 noise[i].exponential_(generator=g)
         target_probs = filtered_probs(target_logits, st.repeat_rows(counts))[row_idx]  # (B, K+1, V)
         num_acc, final = rejection_sample_probs(target_probs, q, ids, nd, st.greedy, argmax, uniform, noise)

@@ -1,0 +1,132 @@
+"""The engine core: schedule -> execute -> update, and nothing else.
+
+It owns the scheduler (with the block pool and, with speculative decoding, the adaptive
+controller) and the worker. ``step`` returns per-request ``EngineCoreOutput``s: new token
+ids and why a request finished; text, stop strings and metrics are the output processor's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from tailserve.config import EngineConfig
+from tailserve.engine.processor import PreparedRequest
+from tailserve.engine.request import Request, RequestStatus
+from tailserve.engine.scheduler import Scheduler
+from tailserve.engine.scheduler_output import EngineCoreOutput
+from tailserve.engine.worker import Worker
+from tailserve.errors import InvalidRequestError, TailserveError
+from tailserve.memory.block_pool import BlockPool
+from tailserve.metrics.timeline import StepStats
+from tailserve.speculative.adaptive import AdaptiveSpeculation
+
+
+class EngineStepError(TailserveError):
+    """A step failed for a reason that is not the requests' fault (a bug, a device error).
+    The requests it had scheduled are finished (aborted); the engine keeps serving."""
+
+    def __init__(self, message: str, request_ids: list[str]) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
+
+
+@dataclass
+class _StepTiming:
+    started_ns: int
+    num_tokens: int
+    target_forward_s: float
+    decode_only: bool
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int] | None = None,
+                 worker: Worker | None = None) -> None:
+        self.config = config
+        self.worker = worker or Worker(config)
+        self.max_model_len = self.worker.max_model_len
+        eos = set(self.worker.arch.eos_token_ids) or set(eos_token_ids or ())
+        self.eos_token_ids = frozenset(eos)
+        self.block_pool = BlockPool(self.worker.num_blocks, config.block_size, config.enable_prefix_caching)
+        speculation = None
+        if self.worker.proposer is not None:
+            speculation = AdaptiveSpeculation(k_max=config.num_speculative_tokens or config.speculative_max_tokens,
+                                              fixed_k=config.num_speculative_tokens)
+        self.scheduler = Scheduler(config.scheduler_config, self.block_pool, speculation)
+        self.step_log: deque[StepStats] = deque(maxlen=4096)
+        self.num_steps = 0
+        self._pending_timing: _StepTiming | None = None
+
+    # -- requests --------------------------------------------------------------------------
+    def add_request(self, request_id: str, prepared: PreparedRequest) -> None:
+        if request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        self.scheduler.add_request(Request(request_id, prepared.prompt_token_ids, prepared.params,
+                                           self.eos_token_ids, self.max_model_len))
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> dict[str, list[tuple[str, int]]]:
+        """Finish requests from outside a step; returns each one's unreported timeline events."""
+        return {rid: self.scheduler.finish_request(rid, status) for rid in request_ids}
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        t0 = time.perf_counter_ns()
+        preempted_before = self.scheduler.num_preemptions
+        sched = self.scheduler.schedule(t0)
+        if sched.is_empty:
+            self.worker.runner.free(sched.finished_ids)
+            return []
+        try:
+            result = self.worker.execute(sched)
+        except TailserveError:
+            raise
+        except Exception as e:
+            ids = [s.request_id for s in sched.scheduled]
+            for rid in ids:
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+            raise EngineStepError(f"{type(e).__name__}: {e}", ids) from e
+        outputs = self.scheduler.update(sched, result)
+        self.num_steps += 1
+        self._pending_timing = _StepTiming(t0, sched.num_scheduled_tokens, result.target_forward_s,
+                                           not any(s.is_prefill for s in sched.scheduled))
+        self._record_step(sched, time.perf_counter_ns() - t0, self.scheduler.num_preemptions - preempted_before)
+        return outputs
+
+    def end_step(self, end_ns: int | None = None) -> None:
+        """The caller has processed the step's outputs: the step's full cost is known.
+
+        Costs for the adaptive controller: the target's forward with its sampling (fitted
+        against the verified tokens) and the rest of the step (scheduling, the proposal's
+        bookkeeping, output processing and detokenizing: paid per step with or without
+        drafts; the proposal itself is observed separately). Only decode/verify steps: a
+        prefill chunk's tokens cost more each (their attention spans the chunk), and fitted
+        together with decodes they would make every verified token look several times dearer.
+        """
+        timing, self._pending_timing = self._pending_timing, None
+        spec = self.scheduler.speculation
+        if timing is None or spec is None or not timing.decode_only:
+            return
+        end_ns = time.perf_counter_ns() if end_ns is None else end_ns
+        total_s = (end_ns - timing.started_ns) * 1e-9
+        spec.observe_step(timing.num_tokens, timing.target_forward_s,
+                          max(total_s - timing.target_forward_s - self._last_draft_s(), 0.0))
+
+    def _last_draft_s(self) -> float:
+        return self.worker.runner.last_propose_s
+
+    def _record_step(self, sched, duration_ns: int, preemptions: int) -> None:
+        running = self.scheduler.running
+        live = sum(r.num_computed_tokens for r in running)
+        slots = sum(len(r.block_ids) for r in running) * self.config.block_size
+        prefill = sum(s.num_tokens for s in sched.scheduled if s.is_prefill)
+        self.step_log.append(StepStats(
+            step=self.num_steps, duration_s=duration_ns * 1e-9, num_requests=len(sched.scheduled),
+            num_prefill_tokens=prefill, num_decode_tokens=sched.num_scheduled_tokens - prefill,
+            num_running=len(running), num_waiting=self.scheduler.num_waiting,
+            kv_blocks_used=self.block_pool.num_used_blocks, kv_blocks_total=self.block_pool.num_blocks,
+            kv_token_utilization=live / slots if slots else 0.0, num_preemptions=preemptions,
+        ))

@@ -1,0 +1,199 @@
+"""The output stage: engine-core results -> what callers see.
+
+Per request it keeps the output token ids, the text (incremental detokenizer), logprobs and
+the request's timeline, and for every step's new tokens it
+
+- detokenizes **one token at a time** and searches the stop strings after each: a stop
+  ends the output at the token that completed it, so token ids, text and usage are cut
+  there even when a speculative step accepted tokens past it (they are dropped, and the
+  engine core is told to finish the request);
+- streams only text that the final text will contain: while a request runs, the last
+  (longest stop string - 1) characters are held back, since they could still turn out to
+  be the start of a stop string. Concatenated ``delta_text`` always equals the final text;
+- builds ``RequestOutput`` deltas, and on finish the request's ``RequestMetrics``.
+
+It never touches the scheduler, blocks or tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from tailserve.engine.detokenizer import IncrementalDetokenizer
+from tailserve.engine.scheduler_output import EngineCoreOutput
+from tailserve.metrics.prometheus import PrometheusMetrics
+from tailserve.metrics.timeline import RequestMetrics, RequestTimeline
+from tailserve.model.tokenizer import Tokenizer
+from tailserve.outputs import CompletionOutput, RequestOutput
+from tailserve.sampling_params import SamplingParams
+
+
+def find_stop(text: str, stops: tuple[str, ...], search_from: int) -> tuple[int, str] | None:
+    """The earliest stop string in ``text[search_from:]`` (index, string), or None."""
+    best: tuple[int, str] | None = None
+    for s in stops:
+        idx = text.find(s, search_from)
+        if idx != -1 and (best is None or idx < best[0]):
+            best = (idx, s)
+    return best
+
+
+@dataclass
+class _State:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    timeline: RequestTimeline | None
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    text: str = ""
+    num_streamed_chars: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    spec: tuple[int, int, int] = (0, 0, 0)  # drafts, draft tokens, accepted tokens
+    max_stop_len: int = 0
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None, prometheus: PrometheusMetrics | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.prometheus = prometheus
+        self._states: dict[str, _State] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._states
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_ns: int | None) -> None:
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+        self._states[request_id] = _State(
+            request_id, prompt, prompt_token_ids, params, detok,
+            RequestTimeline(arrival_ns) if arrival_ns is not None else None, [],
+            [] if params.logprobs is not None else None,
+            max_stop_len=max((len(s) for s in params.stop), default=0))
+
+    def abort_request(self, request_id: str, events: list[tuple[str, int]] = ()) -> RequestMetrics | None:
+        """Forget an aborted request; returns its metrics (if recorded)."""
+        st = self._states.pop(request_id, None)
+        if st is None:
+            return None
+        self._apply_events(st, events)
+        return self._finish_metrics(st, "abort")
+
+    def process(self, outputs: list[EngineCoreOutput], now_ns: int) -> tuple[list[RequestOutput], list[str]]:
+        """Returns (request outputs, ids of requests a stop string ended that the engine
+        core still runs: the caller finishes them there)."""
+        results, to_stop = [], []
+        for co in outputs:
+            st = self._states.get(co.request_id)
+            if st is None:
+                continue  # aborted while its step ran
+            out, stopped_here = self._process_one(st, co, now_ns)
+            if out is not None:
+                results.append(out)
+            if stopped_here and not co.finished:
+                to_stop.append(co.request_id)
+        return results, to_stop
+
+    # -- one request -----------------------------------------------------------------------
+    def _apply_events(self, st: _State, events) -> None:
+        tl = st.timeline
+        if tl is None:
+            return
+        for kind, ns in events:
+            if kind == "scheduled":
+                tl.on_scheduled(ns)
+            elif kind == "preempted":
+                tl.preempted_ns.append(ns)
+                st.num_preemptions += 1
+
+    def _process_one(self, st: _State, co: EngineCoreOutput, now_ns: int) -> tuple[RequestOutput | None, bool]:
+        self._apply_events(st, co.events)
+        if co.num_cached_tokens is not None:
+            st.num_cached_tokens = co.num_cached_tokens
+        if co.num_draft_tokens:
+            d, t, a = st.spec
+            st.spec = (d + 1, t + co.num_draft_tokens, a + co.num_accepted_tokens)
+            if self.prometheus is not None:
+                self.prometheus.observe_spec(co.num_draft_tokens, co.num_accepted_tokens)
+        stop_hit: str | None = None
+        kept = 0
+        for j, tok in enumerate(co.new_token_ids):
+            st.token_ids.append(tok)
+            kept = j + 1
+            if st.detokenizer is None:
+                continue
+            piece = st.detokenizer.append(tok)
+            if not piece:
+                continue
+            before = len(st.text)
+            st.text += piece
+            if st.params.stop:
+                hit = find_stop(st.text, st.params.stop, max(0, before - st.max_stop_len + 1))
+                if hit is not None:
+                    idx, stop_hit = hit
+                    st.text = st.text[: idx + len(stop_hit) if st.params.include_stop_str_in_output else idx]
+                    break
+        new_ids = list(co.new_token_ids[:kept])
+        if st.logprobs is not None and co.new_logprobs:
+            st.logprobs.extend(co.new_logprobs[:kept])
+        if st.timeline is not None:
+            st.timeline.on_tokens(now_ns, kept)
+        if self.prometheus is not None and kept:
+            self.prometheus.observe_tokens(kept)
+        finished = co.finished or stop_hit is not None
+        if stop_hit is not None:
+            finish_reason, stop_reason = "stop", stop_hit
+        else:
+            finish_reason, stop_reason = co.finish_reason, co.stop_reason
+        # Hold back what could still be the start of a stop string (nothing once finished).
+        hold = 0 if finished or not st.params.stop else st.max_stop_len - 1
+        upto = max(len(st.text) - hold, st.num_streamed_chars)
+        delta_text = st.text[st.num_streamed_chars : upto]
+        st.num_streamed_chars = upto
+        metrics = None
+        if finished:
+            self._states.pop(st.request_id, None)
+            if st.timeline is not None and st.timeline.finished_ns is None:
+                st.timeline.finished_ns = now_ns
+            metrics = self._finish_metrics(st, finish_reason)
+        completion = CompletionOutput(
+            index=0,
+            text=st.text,
+            token_ids=list(st.token_ids),
+            finish_reason=finish_reason if finished else None,
+            stop_reason=stop_reason if finished else None,
+            logprobs=st.logprobs,
+        )
+        out = RequestOutput(
+            request_id=st.request_id,
+            prompt=st.prompt,
+            prompt_token_ids=st.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            num_cached_tokens=max(st.num_cached_tokens, 0),
+            num_preemptions=st.num_preemptions,
+            delta_text=delta_text,
+            delta_token_ids=new_ids,
+            metrics=metrics,
+        )
+        return out, stop_hit is not None
+
+    def _finish_metrics(self, st: _State, finish_reason: str | None) -> RequestMetrics | None:
+        if st.timeline is None:
+            return None
+        if st.timeline.finished_ns is None:
+            st.timeline.finished_ns = time.perf_counter_ns()
+        rm = RequestMetrics.from_timeline(st.request_id, st.timeline, len(st.prompt_token_ids),
+                                          st.num_cached_tokens, finish_reason, st.spec)
+        if self.prometheus is not None:
+            self.prometheus.observe_finished(rm)
+        return rm

@@ -1,0 +1,77 @@
+"""The input stage: validate and tokenize a request, without touching engine state.
+
+Thread-safe (it only reads the tokenizer and fixed limits), so the server calls it on its
+event loop, off the engine thread, and bad input is rejected before anything is queued.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tailserve.errors import InvalidRequestError
+from tailserve.model.tokenizer import Tokenizer
+from tailserve.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated, tokenized request, ready for ``LLMEngine.add_prepared``."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class Processor:
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int, block_size: int,
+                 num_blocks: int, model_dir: str) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.model_dir = model_dir
+
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty", "prompt")
+            if self.tokenizer is None:
+                raise InvalidRequestError(f"{self.model_dir} has no tokenizer.json; pass token ids instead of text",
+                                          "prompt")
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list | tuple):
+            raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
+                                      "prompt")
+        if not prompt:
+            raise InvalidRequestError("prompt must not be empty", "prompt")
+        vocab = self.vocab_size
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}", "prompt")
+        return None, list(prompt)
+
+    def process(self, prompt: Prompt, params: SamplingParams | None = None) -> PreparedRequest:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling params must be a SamplingParams", "sampling_params")
+        text, ids = self.tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens but the model's context (max_model_len) is {self.max_model_len}; "
+                "at least one token must be left to generate", "prompt")
+        total = min(len(ids) + params.max_tokens, self.max_model_len)
+        need_blocks = -(-total // self.block_size)
+        if need_blocks > self.num_blocks:
+            raise InvalidRequestError(
+                f"prompt + max_tokens needs {need_blocks} KV blocks but the cache holds "
+                f"{self.num_blocks}; raise --kv-cache-memory or lower max_tokens", "max_tokens")
+        for t in params.stop_token_ids:
+            if t >= self.vocab_size:
+                raise InvalidRequestError(f"stop token id {t} is outside the vocabulary ({self.vocab_size})",
+                                          "stop_token_ids")
+        if self.tokenizer is None and params.stop:
+            raise InvalidRequestError("stop strings need a tokenizer; this model has none", "stop")
+        return PreparedRequest(text, ids, params)

@@ -1,0 +1,107 @@
+"""The data that crosses the scheduler / worker boundary, and the engine core's outputs.
+
+Plain Python data only, so the scheduler is tested with hand-written runner outputs and a
+worker in another process (tensor parallelism) can receive it as it is. Nothing here is
+shared with live ``Request`` state: lists are copied into tuples when the output is built.
+
+One step's protocol:
+
+- ``SchedulerOutput``: a request's full data once (``NewRequestData``: when admitted, and
+  again when resumed after a preemption), then per step only deltas (``CachedRequestData``:
+  the blocks added since the last step). ``scheduled`` says what to compute: how many
+  tokens per request, which of them are draft tokens to verify, and how many draft tokens
+  to propose after this step (``num_lookahead_tokens``: the scheduler reserved their KV
+  slots already).
+- ``ModelRunnerOutput``: per request the sampled (accepted) token ids, the next round's
+  draft token ids, and what the draft model now holds. Draft probabilities never leave the
+  worker.
+- ``EngineCoreOutput``: per request what the step added, for the output processor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tailserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    request_id: str
+    token_ids: tuple[int, ...]  # prompt, plus the outputs so far when resumed after a preemption
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: tuple[int, ...]
+    num_computed_tokens: int  # prefix-cache hit
+    num_draft_computed_tokens: int  # of those, leading tokens whose draft-model K/V is cached too
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    request_id: str
+    new_block_ids: tuple[int, ...]  # appended to the request's block table since the last step
+    num_computed_tokens: int  # the worker's view must agree (checked)
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """Compute ``num_tokens`` tokens of the request from position ``start_pos``: its own
+    known tokens, followed by ``draft_token_ids`` to verify. Sample after the last one if
+    ``sample`` (the prompt is then fully computed)."""
+
+    request_id: str
+    start_pos: int
+    num_tokens: int
+    draft_token_ids: tuple[int, ...]
+    sample: bool
+    is_prefill: bool
+    num_lookahead_tokens: int = 0  # drafts to propose after this step (0: none)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # finished since the previous step
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    # Speculative decoding: the next round's drafts, the most each request's proposal could
+    # make (its chain may stop sooner), and tokens whose draft-model K/V is now computed.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    draft_caps: dict[str, int] = field(default_factory=dict)
+    num_draft_computed: dict[str, int] = field(default_factory=dict)
+    # Costs for the adaptive controller: the target's forward with its sampling, and the
+    # proposal (seconds per steady-state draft step, None when not observed this step).
+    target_forward_s: float = 0.0
+    draft_step_s: float | None = None
+    num_drafting: int = 0
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step did to one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_cached_tokens: int | None = None  # prefix-cache hit, on the request's first output
+    events: list[tuple[str, int]] = field(default_factory=list)  # ("scheduled" | "preempted", ns)

@@ -1,0 +1,140 @@
+"""The worker: loads the model (and the draft model), sizes and allocates the KV caches,
+and executes scheduler outputs through its ``ModelRunner``.
+
+Everything that touches weights, devices or tensors lives here, behind one call,
+``execute(SchedulerOutput) -> ModelRunnerOutput``; the engine core above it only schedules.
+This is the boundary a tensor-parallel worker process will sit behind.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass
+
+import torch
+
+from tailserve.assets import resolve_model_path
+from tailserve.config import EngineConfig
+from tailserve.engine.model_runner import ModelRunner, Proposer
+from tailserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from tailserve.errors import ConfigError
+from tailserve.memory.kv_cache import allocate_kv_caches, kv_bytes_per_block
+from tailserve.model.config import ModelArchConfig, load_arch_config, parse_dtype
+from tailserve.model.loader import load_model
+from tailserve.model.llama import LlamaFamilyModel
+from tailserve.speculative.numpy_draft import NUMPY_DRAFT_MAX_PARAMETERS, NumpyDraftStep
+from tailserve.speculative.proposer import DraftModelProposer, HybridProposer, NgramProposer
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """How the draft model runs: its folder, architecture, dtype, and whether its chain
+    steps of a single sequence run in NumPy."""
+
+    model_dir: pathlib.Path
+    arch: ModelArchConfig
+    dtype: torch.dtype
+    numpy_step: bool
+
+
+def plan_draft(config: EngineConfig, device: torch.device, target_dtype: torch.dtype) -> DraftPlan | None:
+    """The draft model's platform choices, made once, before anything is loaded."""
+    if config.speculative_method not in ("draft_model", "hybrid"):
+        return None
+    draft_dir = pathlib.Path(resolve_model_path(config.speculative_model, draft=True))
+    arch = load_arch_config(draft_dir)
+    numpy_step = config.speculative_draft_numpy
+    if numpy_step is None:
+        # Only small drafts: NumPy reads float32 weights (twice PyTorch's bf16 bytes), which
+        # outweighs the per-operation overhead it saves beyond a few million parameters.
+        numpy_step = (device.type == "cpu" and config.speculative_draft_dtype in ("auto", "float32")
+                      and arch.sliding_window is None and arch.num_parameters <= NUMPY_DRAFT_MAX_PARAMETERS)
+    elif numpy_step and arch.sliding_window is not None:
+        raise ConfigError("speculative_draft_numpy: the NumPy draft step has no sliding window, "
+                          "and this draft model uses one")
+    if config.speculative_draft_dtype != "auto":
+        dtype = parse_dtype(config.speculative_draft_dtype)
+    else:
+        dtype = torch.float32 if numpy_step else target_dtype
+    return DraftPlan(draft_dir, arch, dtype, numpy_step)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device cuda requested but torch.cuda.is_available() is False")
+        self.model_dir = pathlib.Path(resolve_model_path(config.model))
+        arch = load_arch_config(self.model_dir)
+        max_len = config.max_model_len or arch.max_position_embeddings
+        if max_len > arch.max_position_embeddings:
+            raise ConfigError(f"max_model_len {max_len} exceeds the model's max_position_embeddings "
+                              f"{arch.max_position_embeddings}")
+        self.max_model_len = max_len
+        dtype = None if config.dtype == "auto" else parse_dtype(config.dtype)
+        self.model, self.arch = load_model(self.model_dir, dtype, self.device, max_positions=max_len,
+                                           pack_cpu_weights=config.cpu_onednn)
+        self.dtype = self.model.embed_tokens.dtype
+
+        self.draft_plan = plan_draft(config, self.device, self.dtype)
+        draft_model: LlamaFamilyModel | None = None
+        if self.draft_plan is not None:
+            plan = self.draft_plan
+            # Packed for oneDNN only once the NumPy step (if any) has copied the plain weights.
+            draft_model, _ = load_model(plan.model_dir, plan.dtype, self.device, max_positions=max_len)
+            if plan.arch.vocab_size != self.arch.vocab_size:
+                raise ConfigError(f"draft model vocabulary ({plan.arch.vocab_size}) differs from the target's "
+                                  f"({self.arch.vocab_size}); speculative decoding needs the same tokenizer")
+            if plan.arch.max_position_embeddings < max_len:
+                raise ConfigError(f"draft model context ({plan.arch.max_position_embeddings}) is shorter than "
+                                  f"max_model_len {max_len}")
+
+        self.num_blocks = self.determine_num_blocks()
+        self.kv_caches = allocate_kv_caches(self.arch, self.num_blocks, config.block_size, self.dtype, self.device)
+        self.runner = ModelRunner(self.model, self.arch, self.kv_caches, config.block_size, self.device, config.seed,
+                                  max_model_len=max_len)
+        self.runner.proposer = self._build_proposer(draft_model)
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Both models' K/V for one block id: one block id addresses both caches."""
+        per_block = kv_bytes_per_block(self.arch, self.config.block_size, self.dtype)
+        if self.draft_plan is not None:
+            per_block += kv_bytes_per_block(self.draft_plan.arch, self.config.block_size, self.draft_plan.dtype)
+        return per_block
+
+    def determine_num_blocks(self) -> int:
+        per_block = self.kv_bytes_per_block
+        num_blocks = self.config.kv_cache_memory_bytes // per_block
+        if num_blocks < 1:
+            raise ConfigError(f"kv_cache_memory_bytes {self.config.kv_cache_memory_bytes} holds no block "
+                              f"(one block of {self.config.block_size} tokens takes {per_block} bytes)")
+        return num_blocks
+
+    def _build_proposer(self, draft_model: LlamaFamilyModel | None) -> Proposer | None:
+        config = self.config
+        if draft_model is not None and self.draft_plan is not None:
+            plan = self.draft_plan
+            draft_caches = allocate_kv_caches(plan.arch, self.num_blocks, config.block_size,
+                                              draft_model.embed_tokens.dtype, self.device)
+            numpy_step = NumpyDraftStep(draft_model, plan.arch, draft_caches) if plan.numpy_step else None
+            if config.cpu_onednn and self.device.type == "cpu":
+                draft_model.pack_for_cpu()
+            proposer: Proposer = DraftModelProposer(draft_model, plan.arch, draft_caches, config.block_size,
+                                                    self.device, self.runner.sampler.generator,
+                                                    stop_margin=config.draft_stop_margin, numpy_step=numpy_step)
+            if config.speculative_method == "hybrid":
+                proposer = HybridProposer(proposer, NgramProposer(config.ngram_min, config.ngram_max),
+                                          self.arch.vocab_size)
+            return proposer
+        if config.speculative_method == "ngram":
+            return NgramProposer(config.ngram_min, config.ngram_max)
+        return None
+
+    @property
+    def proposer(self) -> Proposer | None:
+        return self.runner.proposer
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute(sched)
