@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from tailserve import LLM, SamplingParams
 from tailserve.assets import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR
-from tailserve.model.attention import build_attention_metadata
+from tailserve.attention.reference import build_attention_metadata
+from tailserve.model.linear import select_linear_method
 from tailserve.model.loader import load_model
 from tailserve.model.tokenizer import Tokenizer
 
@@ -60,8 +61,9 @@ def main() -> None:
     args = ap.parse_args()
 
     tok = Tokenizer(DEFAULT_TARGET_DIR)
-    target, tcfg = load_model(DEFAULT_TARGET_DIR, torch.float32, pack_cpu_weights=True)
-    draft, dcfg = load_model(pathlib.Path(args.draft), torch.float32, pack_cpu_weights=True)
+    method = select_linear_method(torch.device("cpu"), True)
+    target, tcfg = load_model(DEFAULT_TARGET_DIR, torch.float32, linear_method=method)
+    draft, dcfg = load_model(pathlib.Path(args.draft), torch.float32, linear_method=method)
     texts = held_out_texts()
     ids: list[int] = []
     for _, text in texts:

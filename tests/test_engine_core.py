@@ -327,7 +327,7 @@ def test_random_add_step_abort_keeps_block_refcounts_and_greedy_outputs(property
     for op in ops:
         if op[0] == "add":
             _, which, tail, max_tokens = op
-            prompt = tuple(PREFIXES[which][: 8 + tail % 12] + [60 + tail])
+            prompt = tuple([*PREFIXES[which][:8 + tail % 12], 60 + tail])
             rid = eng.add_request(list(prompt), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
             live[rid] = requested[rid] = (prompt, max_tokens)
             added.append(rid)

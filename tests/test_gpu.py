@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
 def test_cuda_logits_match_transformers(tiny_checkpoint, kind):
-    from tailserve.model.attention import build_attention_metadata
+    from tailserve.attention.reference import build_attention_metadata
     from tailserve.model.loader import load_model
 
     path, hf = tiny_checkpoint(kind)

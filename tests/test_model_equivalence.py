@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import ARCHS, build_hf_model, save_checkpoint
-from tailserve.model.attention import build_attention_metadata
+from tailserve.attention.reference import build_attention_metadata
 from tailserve.model.loader import load_model
 
 TOL = 1e-4
@@ -115,14 +115,14 @@ def test_half_precision_checkpoints_load_and_track_float32(tmp_path, dtype):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "llama_tied"])
 def test_onednn_packed_weights_match_transformers(tiny_checkpoint, kind):
-    from tailserve.model.linear import Linear, onednn_available
+    from tailserve.model.linear import Linear, OneDNNPackedLinearMethod, onednn_available
 
     if not onednn_available():
         pytest.skip("this torch build has no oneDNN")
     path, hf = tiny_checkpoint(kind)
-    model, cfg = load_model(path, torch.float32, pack_cpu_weights=True)
+    model, cfg = load_model(path, torch.float32, linear_method=OneDNNPackedLinearMethod())
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.packed is not None for m in linears)
+    assert linears and all(m.packed is not None and m.method.name == "onednn-packed" for m in linears)
     ids = list(range(2, 50))
     ref = hf(torch.tensor([ids])).logits[0]
     assert (_prefill(model, cfg, ids, 16, [3, 1, 0, 2]) - ref).abs().max().item() <= TOL

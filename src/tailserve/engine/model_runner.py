@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tailserve.attention.backend import AttentionBackend
+from tailserve.attention.reference import TorchReferenceBackend
 from tailserve.engine.sampler import Sampler, SamplingTensors, fast_argmax
 from tailserve.engine.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from tailserve.model.attention import build_attention_metadata
 from tailserve.model.config import ModelArchConfig
 from tailserve.model.llama import LlamaFamilyModel
 from tailserve.sampling_params import SamplingParams
@@ -53,13 +54,15 @@ class CachedRequestState:
 class ModelRunner:
     def __init__(self, model: LlamaFamilyModel, arch: ModelArchConfig, kv_caches: list[torch.Tensor],
                  block_size: int, device: torch.device, seed: int = 0, max_model_len: int | None = None,
-                 proposer: Proposer | None = None) -> None:
+                 proposer: Proposer | None = None, attn_backend: AttentionBackend | None = None) -> None:
         self.model = model
         self.arch = arch
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.max_model_len = max_model_len or arch.max_position_embeddings
+        self.attn_backend = attn_backend or TorchReferenceBackend(block_size, 256, 2048, self.max_model_len,
+                                                                  arch.sliding_window, device)
         self.sampler = Sampler(arch.vocab_size, device, seed)
         self.rejection_sampler = RejectionSampler(self.sampler.generator)
         self.proposer = proposer
@@ -142,8 +145,7 @@ class ModelRunner:
                 sampled.append(st)
                 num_drafts.append(k)
                 drafts.append(d)
-        meta = build_attention_metadata(query_lens, context_lens, tables, self.block_size,
-                                        self.arch.sliding_window, self.device)
+        meta = self.attn_backend.build(query_lens, context_lens, tables)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids_t, pos_t, self.kv_caches, meta)

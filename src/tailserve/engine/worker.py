@@ -14,15 +14,18 @@ from dataclasses import dataclass
 import torch
 
 from tailserve.assets import resolve_model_path
+from tailserve.attention import get_attention_backend
 from tailserve.config import EngineConfig
 from tailserve.engine.model_runner import ModelRunner, Proposer
 from tailserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tailserve.errors import ConfigError
 from tailserve.memory.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from tailserve.model.config import ModelArchConfig, load_arch_config, parse_dtype
-from tailserve.model.loader import load_model
+from tailserve.model.linear import select_linear_method
 from tailserve.model.llama import LlamaFamilyModel
-from tailserve.speculative.numpy_draft import NUMPY_DRAFT_MAX_PARAMETERS, NumpyDraftStep
+from tailserve.model.loader import load_model
+from tailserve.speculative.draft_step import make_draft_step
+from tailserve.speculative.numpy_draft import NUMPY_DRAFT_MAX_PARAMETERS
 from tailserve.speculative.proposer import DraftModelProposer, HybridProposer, NgramProposer
 
 
@@ -73,15 +76,17 @@ class Worker:
                               f"{arch.max_position_embeddings}")
         self.max_model_len = max_len
         dtype = None if config.dtype == "auto" else parse_dtype(config.dtype)
+        # Platform choices, made once: how linear layers multiply, which attention backend.
+        self.linear_method = select_linear_method(self.device, config.cpu_onednn)
         self.model, self.arch = load_model(self.model_dir, dtype, self.device, max_positions=max_len,
-                                           pack_cpu_weights=config.cpu_onednn)
+                                           linear_method=self.linear_method)
         self.dtype = self.model.embed_tokens.dtype
 
         self.draft_plan = plan_draft(config, self.device, self.dtype)
         draft_model: LlamaFamilyModel | None = None
         if self.draft_plan is not None:
             plan = self.draft_plan
-            # Packed for oneDNN only once the NumPy step (if any) has copied the plain weights.
+            # Its linear method is applied once the NumPy step (if any) has copied the plain weights.
             draft_model, _ = load_model(plan.model_dir, plan.dtype, self.device, max_positions=max_len)
             if plan.arch.vocab_size != self.arch.vocab_size:
                 raise ConfigError(f"draft model vocabulary ({plan.arch.vocab_size}) differs from the target's "
@@ -92,8 +97,11 @@ class Worker:
 
         self.num_blocks = self.determine_num_blocks()
         self.kv_caches = allocate_kv_caches(self.arch, self.num_blocks, config.block_size, self.dtype, self.device)
+        backend_cls = get_attention_backend("auto")
+        self.attn_backend = backend_cls(config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
+                                        max_len, self.arch.sliding_window, self.device)
         self.runner = ModelRunner(self.model, self.arch, self.kv_caches, config.block_size, self.device, config.seed,
-                                  max_model_len=max_len)
+                                  max_model_len=max_len, attn_backend=self.attn_backend)
         self.runner.proposer = self._build_proposer(draft_model)
 
     @property
@@ -118,12 +126,13 @@ class Worker:
             plan = self.draft_plan
             draft_caches = allocate_kv_caches(plan.arch, self.num_blocks, config.block_size,
                                               draft_model.embed_tokens.dtype, self.device)
-            numpy_step = NumpyDraftStep(draft_model, plan.arch, draft_caches) if plan.numpy_step else None
-            if config.cpu_onednn and self.device.type == "cpu":
-                draft_model.pack_for_cpu()
+            # The NumPy step copies the plain weights, so it is built before the linear method
+            # repacks them.
+            single_step = make_draft_step(draft_model, plan.arch, draft_caches, self.device, plan.numpy_step)
+            draft_model.set_linear_method(self.linear_method)
             proposer: Proposer = DraftModelProposer(draft_model, plan.arch, draft_caches, config.block_size,
                                                     self.device, self.runner.sampler.generator,
-                                                    stop_margin=config.draft_stop_margin, numpy_step=numpy_step)
+                                                    stop_margin=config.draft_stop_margin, single_step=single_step)
             if config.speculative_method == "hybrid":
                 proposer = HybridProposer(proposer, NgramProposer(config.ngram_min, config.ngram_max),
                                           self.arch.vocab_size)

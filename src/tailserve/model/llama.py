@@ -13,9 +13,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tailserve.model.attention import AttentionMetadata, paged_attention
+from tailserve.attention.backend import LayerAttentionMetadata
 from tailserve.model.config import ModelArchConfig
-from tailserve.model.linear import Linear
+from tailserve.model.linear import (
+    SINGLE,
+    Linear,
+    LinearMethod,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    TensorParallel,
+)
 from tailserve.model.rope import RotaryEmbedding
 
 
@@ -39,19 +47,22 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
-        self.qkv_proj = Linear(cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size, cfg.qkv_bias)
-        self.o_proj = Linear(cfg.hidden_size, cfg.q_size, cfg.o_bias)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
+                                          cfg.qkv_bias, tp)
+        # This rank's heads (all of them at tp size 1).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads_per_rank, self.qkv_proj.num_kv_heads_per_rank
+        self.head_dim = cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
+        self.o_proj = RowParallelLinear(cfg.hidden_size, cfg.q_size, cfg.o_bias, tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: LayerAttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj.forward(x)  # (T, (H + 2*KVH) * D)
@@ -64,16 +75,16 @@ class Attention(nn.Module):
             q = self.rotary.apply(self.q_norm.forward(qkv[:, : self.q_size].view(t, h, d)), *rope)
             k = self.rotary.apply(self.k_norm.forward(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, kvh, d)),
                                   *rope)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # (T, H*D)
+        out = meta.attend(q, k, v, kv_cache, self.scale)  # (T, H*D)
         return self.o_proj.forward(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelArchConfig) -> None:
+    def __init__(self, cfg: ModelArchConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(2 * cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
-        self.down_proj = Linear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
-        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear([cfg.intermediate_size] * 2, cfg.hidden_size, cfg.mlp_bias, tp)
+        self.down_proj = RowParallelLinear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp)
+        self.intermediate_size = cfg.intermediate_size // tp.size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj.forward(x)  # (T, 2*I)
@@ -82,34 +93,36 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary)
+        self.self_attn = Attention(cfg, rotary, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: LayerAttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn.forward(self.input_layernorm.forward(x), rope, kv_cache, meta)
         return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
 
 class LlamaFamilyModel(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = cfg
+        self.tp = tp
         # The rotary table is computed, not loaded, so the loader builds it for real outside
         # the meta-device context in which the rest of the model is built.
         self.rotary = rotary
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Replicated on every rank for now (a vocabulary-parallel head needs a logits gather).
         self.lm_head = Linear(cfg.vocab_size, cfg.hidden_size, bias=False)
         self.tied = cfg.tie_word_embeddings
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                meta: LayerAttentionMetadata, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """input_ids, positions: (T,). Returns the final-norm hidden states (T, hidden).
         ``rope``: the rotary cos/sin for these positions, (T, 1, D) each, when the caller has
         them already (the draft chain looks them up once per round); positions may then be None."""
@@ -128,7 +141,11 @@ class LlamaFamilyModel(nn.Module):
         logits = self.lm_head.forward(hidden)
         return logits.float() if upcast else logits
 
-    def pack_for_cpu(self) -> bool:
-        """Reorder every projection (and the LM head) for oneDNN; False if not possible."""
-        results = [m.pack_for_cpu() for m in self.modules() if isinstance(m, Linear)]
-        return all(results)
+    def set_linear_method(self, method: LinearMethod) -> list[str]:
+        """Use ``method`` for every projection and the LM head (chosen once, at load time).
+        Returns the method each layer ended with (a layer whose dtype the method cannot run
+        keeps plain ``F.linear``)."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        for m in linears:
+            m.set_method(method)
+        return [m.method.name for m in linears]

@@ -1,15 +1,16 @@
 """Load a Hugging Face-format checkpoint folder (safetensors only) into ``LlamaFamilyModel``.
 
-The model is built on the meta device and each parameter is assigned the tensor read from
-the memory-mapped safetensors file, so the weights are never held twice (no random init,
-no full state dict). Pickled checkpoints (``*.bin``) are refused: unpickling runs code.
+The model is built on the meta device (no random init), each parameter then gets its
+storage and is filled by its own ``weight_loader`` from a safetensors *slice*, so a
+tensor-parallel rank reads only its part of each tensor and no full state dict is ever
+held. Fused parameters (``qkv_proj``, ``gate_up_proj``) are loaded part by part through a
+small name map. Pickled checkpoints (``*.bin``) are refused: unpickling runs code.
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
-from collections.abc import Iterator
 from contextlib import ExitStack
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 
 from tailserve.errors import CheckpointFormatError, CheckpointNotFoundError
 from tailserve.model.config import ModelArchConfig, load_arch_config
+from tailserve.model.linear import SINGLE, LinearMethod, TensorParallel, default_weight_loader
 from tailserve.model.llama import LlamaFamilyModel
 from tailserve.model.rope import RotaryEmbedding
 
@@ -45,7 +47,8 @@ def checkpoint_files(model_dir: pathlib.Path) -> list[pathlib.Path]:
 
 
 class _TensorSource:
-    """Key -> tensor lookup across the (possibly sharded) safetensors files."""
+    """Key -> safetensors slice across the (possibly sharded) files: a weight loader reads
+    only the part it indexes."""
 
     def __init__(self, files: list[pathlib.Path], stack: ExitStack) -> None:
         self._where: dict[str, tuple[pathlib.Path, object]] = {}
@@ -61,27 +64,66 @@ class _TensorSource:
     def __contains__(self, key: str) -> bool:
         return key in self._where
 
-    def get(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def get_slice(self, key: str) -> tuple[str, object]:
+        """(file name, slice) for ``key``."""
         if key not in self._where:
             names = ", ".join(str(f.name) for f in self.files)
             raise CheckpointFormatError(f"tensor {key!r} missing from checkpoint ({names})")
         f, handle = self._where[key]
-        tensor = handle.get_tensor(key)  # type: ignore[attr-defined]
-        if tuple(tensor.shape) != tuple(shape):
-            raise CheckpointFormatError(
-                f"{f.name}: tensor {key!r} has shape {tuple(tensor.shape)}, expected {tuple(shape)}")
-        return tensor.to(dtype)
+        return f.name, handle.get_slice(key)  # type: ignore[attr-defined]
 
 
-def _assign(module: nn.Module, name: str, tensor: torch.Tensor, device: torch.device) -> None:
-    setattr(module, name, nn.Parameter(tensor.to(device).contiguous(), requires_grad=False))
+# Our fused parameters and the checkpoint tensors (with shard ids) they are loaded from.
+PACKED_MODULES: dict[str, tuple[tuple[str, object], ...]] = {
+    "qkv_proj": (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")),
+    "gate_up_proj": (("gate_proj", 0), ("up_proj", 1)),
+}
+
+
+def checkpoint_keys(param_name: str) -> tuple[tuple[str, object], ...]:
+    """The Hugging Face keys (and shard ids) that one of our parameters is loaded from."""
+    if param_name == "embed_tokens":
+        return (("model.embed_tokens.weight", None),)
+    prefix = "" if param_name.startswith("lm_head.") else "model."
+    for fused, parts in PACKED_MODULES.items():
+        if f".{fused}." in param_name:
+            return tuple((prefix + param_name.replace(fused, part), shard) for part, shard in parts)
+    return ((prefix + param_name, None),)
+
+
+def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Give every meta parameter real (uninitialised) storage, keeping its weight loader."""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not param.is_meta:
+                continue
+            new = nn.Parameter(torch.empty(param.shape, dtype=dtype, device=device), requires_grad=False)
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:
+                new.weight_loader = loader  # type: ignore[attr-defined]
+            setattr(module, name, new)
+
+
+def load_weights(model: LlamaFamilyModel, src: _TensorSource) -> None:
+    """Fill every parameter through its own weight loader."""
+    for name, param in model.named_parameters():
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        for key, shard in checkpoint_keys(name):
+            file_name, sl = src.get_slice(key)
+            try:
+                loader(param, sl, shard, name=key)
+            except CheckpointFormatError as e:
+                raise CheckpointFormatError(f"{file_name}: {e}") from None
 
 
 def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype | None = None,
                device: str | torch.device = "cpu", max_positions: int | None = None,
-               pack_cpu_weights: bool = False) -> tuple[LlamaFamilyModel, ModelArchConfig]:
-    """Load a checkpoint folder. ``pack_cpu_weights`` reorders the projections for oneDNN
-    (see ``tailserve.model.linear``); the engine does so on the CPU by default."""
+               linear_method: LinearMethod | None = None,
+               tp: TensorParallel = SINGLE) -> tuple[LlamaFamilyModel, ModelArchConfig]:
+    """Load a checkpoint folder. ``linear_method`` (see ``tailserve.model.linear``) is
+    applied once loading is done; None leaves plain ``F.linear`` for the caller to change
+    later (``model.set_linear_method``), as the worker does for a draft model whose NumPy
+    step copies the plain weights first."""
     model_dir = pathlib.Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointNotFoundError(f"{model_dir}: model folder not found")
@@ -91,55 +133,19 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype | None = None,
     files = checkpoint_files(model_dir)
     rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings, dtype)
     with torch.device("meta"):
-        model = LlamaFamilyModel(cfg, rotary)
-
+        model = LlamaFamilyModel(cfg, rotary, tp)
+    if cfg.tie_word_embeddings:
+        del model.lm_head.weight  # it shares the embedding's storage once that is loaded
+    _materialize(model, dtype, device)
     with ExitStack() as stack:
-        src = _TensorSource(files, stack)
-        for module, attr, key, shape in _weight_plan(model, cfg):
-            if isinstance(key, tuple):
-                tensor = torch.cat([src.get(k, s, dtype) for k, s in key], dim=0)
-            else:
-                tensor = src.get(key, shape, dtype)
-            _assign(module, attr, tensor, device)
+        load_weights(model, _TensorSource(files, stack))
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens
     model.rotary.to(device)
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
-    if leftover:  # a bug in the weight plan, not a user error
+    if leftover:  # a bug in the loaders, not a user error
         raise RuntimeError(f"parameters left unloaded: {leftover}")
-    if pack_cpu_weights and device.type == "cpu":
-        model.pack_for_cpu()
+    if linear_method is not None:
+        model.set_linear_method(linear_method)
     model.eval()
     return model, cfg
-
-
-def _weight_plan(model: LlamaFamilyModel, cfg: ModelArchConfig) -> Iterator[tuple[nn.Module, str, object, tuple]]:
-    """(module, attribute, HF key or ((key, shape), ...) to concatenate, shape) for every weight."""
-    hid, inter, q, kv, d = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size, cfg.head_dim
-    yield model, "embed_tokens", "model.embed_tokens.weight", (cfg.vocab_size, hid)
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        attn, mlp = layer.self_attn, layer.mlp
-        yield layer.input_layernorm, "weight", p + "input_layernorm.weight", (hid,)
-        yield layer.post_attention_layernorm, "weight", p + "post_attention_layernorm.weight", (hid,)
-        yield attn.qkv_proj, "weight", tuple((p + f"self_attn.{n}_proj.weight", (s, hid))
-                                      for n, s in (("q", q), ("k", kv), ("v", kv))), None
-        if cfg.qkv_bias:
-            yield attn.qkv_proj, "bias", tuple((p + f"self_attn.{n}_proj.bias", (s,))
-                                          for n, s in (("q", q), ("k", kv), ("v", kv))), None
-        yield attn.o_proj, "weight", p + "self_attn.o_proj.weight", (hid, q)
-        if cfg.o_bias:
-            yield attn.o_proj, "bias", p + "self_attn.o_proj.bias", (hid,)
-        if cfg.qk_norm:
-            yield attn.q_norm, "weight", p + "self_attn.q_norm.weight", (d,)
-            yield attn.k_norm, "weight", p + "self_attn.k_norm.weight", (d,)
-        yield mlp.gate_up_proj, "weight", ((p + "mlp.gate_proj.weight", (inter, hid)),
-                                    (p + "mlp.up_proj.weight", (inter, hid))), None
-        if cfg.mlp_bias:
-            yield mlp.gate_up_proj, "bias", ((p + "mlp.gate_proj.bias", (inter,)),
-                                             (p + "mlp.up_proj.bias", (inter,))), None
-            yield mlp.down_proj, "bias", p + "mlp.down_proj.bias", (hid,)
-        yield mlp.down_proj, "weight", p + "mlp.down_proj.weight", (hid, inter)
-    yield model.norm, "weight", "model.norm.weight", (hid,)
-    if not cfg.tie_word_embeddings:
-        yield model.lm_head, "weight", "lm_head.weight", (cfg.vocab_size, hid)

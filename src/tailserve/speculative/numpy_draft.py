@@ -61,7 +61,7 @@ class NumpyDraftStep:
     """``forward`` of one sequence's newest tokens over a float32 paged KV cache.
 
     Built from a float32 model whose projections still hold their plain weights (before
-    ``pack_for_cpu``); keeps its own transposed copies (a few MB for a draft model)."""
+    its linear method is applied); keeps its own transposed copies (a few MB for a draft model)."""
 
     def __init__(self, model: LlamaFamilyModel, arch: ModelArchConfig, kv_caches: list[torch.Tensor]) -> None:
         if model.embed_tokens.dtype != torch.float32 or any(c.dtype != torch.float32 for c in kv_caches):

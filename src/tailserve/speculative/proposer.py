@@ -13,11 +13,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tailserve.attention.reference import build_attention_metadata, decode_metadata
 from tailserve.engine.sampler import SamplingTensors, exponential_noise, fast_argmax, filtered_probs
-from tailserve.model.attention import build_attention_metadata, decode_metadata
 from tailserve.model.config import ModelArchConfig
 from tailserve.model.llama import LlamaFamilyModel
 from tailserve.sampling_params import SamplingParams
+from tailserve.speculative.draft_step import DraftStep, NumpyStepAdapter, TorchDraftStep
 from tailserve.speculative.numpy_draft import NumpyDraftStep
 
 
@@ -111,14 +112,23 @@ class DraftModelProposer:
 
     def __init__(self, model: LlamaFamilyModel, arch: ModelArchConfig, kv_caches: list[torch.Tensor],
                  block_size: int, device: torch.device, generator: torch.Generator,
-                 stop_margin: float = 0.0, numpy_step: NumpyDraftStep | None = None) -> None:
+                 stop_margin: float = 0.0, single_step: DraftStep | None = None) -> None:
         self.model, self.arch, self.kv_caches = model, arch, kv_caches
         self.block_size, self.device, self.generator = block_size, device, generator
         self.stop_margin = stop_margin
-        # CPU only: chain steps of a single sequence run in NumPy (see speculative/numpy_draft.py).
-        self.numpy_step = numpy_step
-        self.num_numpy_forwards = 0  # for tests and benchmarks
+        # A single sequence's chain steps (see draft_step.py): PyTorch, or NumPy on the CPU.
+        self.single_step: DraftStep = single_step or TorchDraftStep(model, kv_caches, device)
         self._block_offsets: torch.Tensor | None = None
+
+    @property
+    def numpy_step(self) -> NumpyDraftStep | None:
+        """The NumPy step when a single sequence's steps run in NumPy, else None."""
+        return self.single_step.step if isinstance(self.single_step, NumpyStepAdapter) else None
+
+    @property
+    def num_numpy_forwards(self) -> int:
+        """Chain steps run in NumPy so far (for tests and benchmarks)."""
+        return self.single_step.num_forwards if isinstance(self.single_step, NumpyStepAdapter) else 0
 
     @torch.inference_mode()
     def propose(self, inputs: list[ProposalInput]) -> Proposal:
@@ -211,29 +221,19 @@ class DraftModelProposer:
                                  sample_last=[True] * len(active))
         width = max(ctx)
         c0 = step + _CHAIN_MAX_CATCH_UP - query_len  # rotary column of each row's first token
-        if len(sel) == 1 and self.numpy_step is not None:
-            r = sel[0]
-            self.num_numpy_forwards += 1
-            logits = self.numpy_step.forward(np.asarray(tokens, dtype=np.int64), chain.table[r, : ctx[0]].numpy(),
-                                             chain.cos[r, c0 : c0 + query_len, None].numpy(),
-                                             chain.sin[r, c0 : c0 + query_len, None].numpy())
-            return torch.from_numpy(logits[None])  # (1, V) float32
         if len(sel) == 1:
-            r, first = sel[0], ctx[0] - query_len
-            kv_slots = chain.table[r : r + 1, :width]
-            slot_mapping = kv_slots[0, first:ctx[0]]
-            cos = chain.cos[r, c0 : c0 + query_len].unsqueeze(1)  # (Q, 1, D)
-            sin = chain.sin[r, c0 : c0 + query_len].unsqueeze(1)
-        else:
-            rows = None if len(sel) == len(chain.row_of) else torch.tensor(sel, device=self.device)
-            table = chain.table if rows is None else chain.table[rows]
-            kv_slots = table[:, :width]
-            positions = torch.tensor([c - query_len + j for c in ctx for j in range(query_len)], dtype=torch.long,
-                                     device=self.device)
-            slot_mapping = kv_slots.gather(1, positions.view(len(sel), query_len)).view(-1)
-            cos_t, sin_t = (chain.cos, chain.sin) if rows is None else (chain.cos[rows], chain.sin[rows])
-            cos = cos_t[:, c0 : c0 + query_len].reshape(-1, 1, cos_t.shape[-1])  # (B*Q, 1, D)
-            sin = sin_t[:, c0 : c0 + query_len].reshape(-1, 1, sin_t.shape[-1])
+            r = sel[0]
+            return self.single_step.forward(tokens, chain.table[r, : ctx[0]], chain.cos[r, c0 : c0 + query_len, None],
+                                            chain.sin[r, c0 : c0 + query_len, None])
+        rows = None if len(sel) == len(chain.row_of) else torch.tensor(sel, device=self.device)
+        table = chain.table if rows is None else chain.table[rows]
+        kv_slots = table[:, :width]
+        positions = torch.tensor([c - query_len + j for c in ctx for j in range(query_len)], dtype=torch.long,
+                                 device=self.device)
+        slot_mapping = kv_slots.gather(1, positions.view(len(sel), query_len)).view(-1)
+        cos_t, sin_t = (chain.cos, chain.sin) if rows is None else (chain.cos[rows], chain.sin[rows])
+        cos = cos_t[:, c0 : c0 + query_len].reshape(-1, 1, cos_t.shape[-1])  # (B*Q, 1, D)
+        sin = sin_t[:, c0 : c0 + query_len].reshape(-1, 1, sin_t.shape[-1])
         uniform = all(c == width for c in ctx)
         meta = decode_metadata(slot_mapping, kv_slots,
                                None if uniform else torch.tensor(ctx, dtype=torch.long, device=self.device), query_len)

@@ -1,4 +1,4 @@
-"""Paged attention: the pure-PyTorch reference backend and the metadata it reads.
+"""Paged attention: the pure-PyTorch reference backend's metadata and kernels.
 
 The runner builds one ``AttentionMetadata`` per step (shared by every layer). Tokens of
 the flat batch are grouped so that each group is a small padded batch: all single-token
@@ -10,10 +10,18 @@ This backend is the correctness oracle for faster ones.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from tailserve.attention.backend import (
+    AttentionBackend,
+    PagedBatch,
+    PersistentBuffers,
+    StaticDecodeBuffers,
+    StaticPagedDecodeMetadata,
+)
 
 
 @dataclass
@@ -34,6 +42,27 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) where each new token's K/V is written
     groups: list[AttentionGroup]
     num_tokens: int
+    # Set by TorchReferenceBackend.build: what ``paged`` fills the persistent buffers from.
+    _paged_source: tuple | None = field(default=None, repr=False)
+    _paged: PagedBatch | None = field(default=None, repr=False)
+
+    @property
+    def paged(self) -> PagedBatch:
+        """The step in kernel form (padded int32 block tables, sequence lengths, query start
+        offsets, slot mapping) in the backend's persistent buffers. The reference kernels
+        read the groups, so this is filled only when asked for (by tests and by backends
+        that delegate to the reference)."""
+        if self._paged is None:
+            if self._paged_source is None:
+                raise ValueError("this metadata was not built by an attention backend")
+            buffers, qlens, ctx, tables, block_size = self._paged_source
+            self._paged = buffers.fill(qlens, ctx, tables, block_size)
+        return self._paged
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """What a layer calls: each metadata kind knows the kernel that reads it."""
+        return paged_attention(q, k, v, kv_cache, self, scale)
 
 
 def build_attention_metadata(
@@ -190,3 +219,25 @@ def paged_attention(
     if out is None:
         raise ValueError("attention metadata has no groups")
     return out
+
+
+class TorchReferenceBackend(AttentionBackend):
+    """The pure-PyTorch backend: grouped SDPA over K/V gathered by slot (above), and
+    fixed-shape decode metadata for graph capture. Runs everywhere; the oracle for others."""
+
+    name = "torch-reference"
+    supports_graph_capture = True
+
+    def build(self, query_lens: list[int], context_lens: list[int],
+              block_tables: list[list[int]]) -> AttentionMetadata:
+        meta = build_attention_metadata(query_lens, context_lens, block_tables, self.block_size,
+                                        self.sliding_window, self.device)
+        meta._paged_source = (self.buffers, query_lens, context_lens, block_tables, self.block_size)
+        return meta
+
+    def static_decode_metadata(self, buffers: StaticDecodeBuffers) -> StaticPagedDecodeMetadata:
+        return StaticPagedDecodeMetadata(buffers, self.sliding_window)
+
+
+__all__ = ["AttentionMetadata", "PersistentBuffers", "TorchReferenceBackend", "build_attention_metadata",
+           "decode_metadata", "paged_attention"]
