@@ -7,6 +7,6 @@ OUT="${OUT:-/tmp/gpu_out}"; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
 pip install -q safetensors tokenizers ddsketch prometheus-client rich starlette hypercorn 2>/dev/null || true
-timeout 300 python -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tail -20 | tee "$OUT/gpu_tests.txt"
+timeout 300 python -m pytest -q -m gpu tests/test_gpu.py tests/test_attention_backend.py 2>&1 | tail -20 | tee "$OUT/gpu_tests.txt"
 timeout 240 python benchmarks/bench_engine.py --runs 3 --dtypes bfloat16 --device cuda 2>&1 | tail -20 \
     | tee "$OUT/bench_engine_cuda.txt"

@@ -110,3 +110,15 @@ def tiny_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_checkpoint(tiny_checkpoint):
     return tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="session")
+def noisy_draft(tmp_path_factory):
+    """The tiny Llama's weights plus noise: a draft that agrees often but not always, so both
+    acceptance and rejection (with KV rollback) are exercised."""
+    hf = build_hf_model("llama")
+    g = torch.Generator().manual_seed(99)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * p.std() * 0.15)
+    return save_checkpoint(hf, tmp_path_factory.mktemp("noisy_draft"))

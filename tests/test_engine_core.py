@@ -9,26 +9,14 @@ import time
 
 import httpx
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import build_hf_model, save_checkpoint
 from tailserve import LLM, SamplingParams
 from tailserve.engine.core import EngineStepError
 
 MAX_NEW = 24
 KV = 4 << 20
-
-
-@pytest.fixture(scope="module")
-def noisy_draft(tmp_path_factory):
-    hf = build_hf_model("llama")
-    g = torch.Generator().manual_seed(99)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * p.std() * 0.15)
-    return save_checkpoint(hf, tmp_path_factory.mktemp("noisy_draft_core"))
 
 
 def _stream(llm: LLM, prompt, params: SamplingParams):

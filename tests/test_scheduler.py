@@ -140,18 +140,29 @@ def test_forced_hash_collision_never_reuses_a_block():
 
 
 def test_freed_cached_blocks_are_reused_then_evicted_lru():
-    pool = BlockPool(4, 4, True)
+    pool = BlockPool(6, 4, True)
     s = Scheduler(SchedulerConfig(8, 64, True), pool)
-    s.add_request(Request("a", list(range(10, 19)), SamplingParams(max_tokens=1), frozenset(), 1024))
-    run_step(s)  # finishes after one token; its 2 full blocks stay cached
-    assert pool.num_used_blocks == 0 and pool.num_cached_blocks == 2
-    s.add_request(Request("b", list(range(10, 19)), SamplingParams(max_tokens=1), frozenset(), 1024))
+
+    def one_token(rid, start):
+        s.add_request(Request(rid, list(range(start, start + 9)), SamplingParams(max_tokens=1), frozenset(), 1024))
+        run_step(s)  # finishes after one token; its 2 full blocks stay cached
+
+    one_token("a", 10)
+    one_token("b", 40)
+    assert pool.num_used_blocks == 0 and pool.num_cached_blocks == 4
+    s.add_request(Request("a2", list(range(10, 19)), SamplingParams(max_tokens=1), frozenset(), 1024))
     out, _ = run_step(s)
-    assert out.scheduled[0].start_pos == 8
-    # A request needing all 4 blocks evicts the cached ones.
-    s.add_request(Request("c", list(range(60, 75)), SamplingParams(max_tokens=1), frozenset(), 1024))
-    run_step(s)
-    assert pool.num_cached_blocks <= 3 and pool.stats.evictions >= 1
+    assert out.scheduled[0].start_pos == 8  # both of a's blocks reused
+    # a's blocks are now the most recently used. A new 9-token request needs 3 blocks: the 2
+    # unhashed tail blocks go first, then the least recently used cached block, one of b's
+    # (a request's tail block before its head block).
+    one_token("c", 70)
+
+    def hits(start):
+        toks = list(range(start, start + 9))
+        return len(pool.lookup(toks, pool.hash_blocks(toks, 2)))
+
+    assert (hits(10), hits(40)) == (2, 1) and pool.stats.evictions == 1
 
 
 ops = st.lists(

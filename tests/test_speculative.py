@@ -23,15 +23,8 @@ def _prompts():
 
 
 @pytest.fixture(scope="module")
-def draft_checkpoint(tmp_path_factory):
-    # The target's weights plus noise: a draft that agrees often but not always, so both
-    # acceptance and rejection (with KV rollback) are exercised.
-    hf = build_hf_model("llama")
-    g = torch.Generator().manual_seed(99)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * p.std() * 0.15)
-    return save_checkpoint(hf, tmp_path_factory.mktemp("noisy_draft"))
+def draft_checkpoint(noisy_draft):
+    return noisy_draft
 
 
 @pytest.fixture(scope="module")
