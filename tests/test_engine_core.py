@@ -281,7 +281,11 @@ def property_engines(llama_checkpoint, noisy_draft):
     spec = LLM(str(path), kv_cache_memory_bytes=12 * per_block, speculative_model=str(noisy_draft),
                num_speculative_tokens=3, **kw)
     ref = LLM(str(path), kv_cache_memory_bytes=KV, dtype="float32")
-    return spec, ref, {}
+    yield spec, ref, {}
+    # Over all examples the test must have exercised what it claims to.
+    eng = spec.engine
+    assert eng.scheduler.num_preemptions > 0, "no example preempted a request"
+    assert eng.spec_stats.num_accepted_tokens > 0 and eng.block_pool.stats.hits_tokens > 0
 
 
 @pytest.mark.slow
