@@ -1,4 +1,4 @@
-"""The ``tailserve`` command line: ``tailserve generate [--model PATH] PROMPT...``.
+"""The ``tailserve`` command line: ``generate``, ``serve``, ``memory simulate``.
 
 Flag names follow vLLM's where the concept is the same. User errors print one line on
 stderr and exit with status 2; nothing prints a traceback for a bad flag or a bad model.
@@ -122,6 +122,32 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_memory_simulate(args: argparse.Namespace) -> int:
+    import json
+
+    from tailserve.memory.allocator.simulator import simulate_trace
+    from tailserve.memory.allocator.snapshot import read_trace
+
+    events = read_trace(args.trace)
+    confs = args.conf or [""]
+    capacity = parse_bytes(args.capacity)
+    results = [simulate_trace(events, c, capacity, args.memory_fraction) for c in confs]
+    if args.json:
+        for r in results:
+            print(json.dumps(r.as_dict()))
+        return 0
+    mib = 1 << 20
+    print(f"{len(events)} events, capacity {capacity / mib:.0f} MiB")
+    print(f"{'PYTORCH_CUDA_ALLOC_CONF':48s} {'peak reserved':>14s} {'peak allocated':>15s} "
+          f"{'max inactive split':>19s} {'retries':>8s}  out of memory")
+    for r in results:
+        oom = f"at event {r.oom_at_event}" if r.oom else "no"
+        print(f"{(r.conf or 'default')[:48]:48s} {r.peak_reserved_bytes / mib:10.1f} MiB "
+              f"{r.peak_allocated_bytes / mib:11.1f} MiB {r.max_inactive_split_over_reserved:19.3f} "
+              f"{r.num_alloc_retries:8d}  {oom}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tailserve", description="LLM inference engine and performance toolkit")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -155,6 +181,20 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--access-log", action="store_true")
     _add_engine_args(srv)
     srv.set_defaults(func=_cmd_serve)
+
+    mem = sub.add_parser("memory", help="PyTorch CUDA caching-allocator tools")
+    mem_sub = mem.add_subparsers(dest="memory_command", required=True)
+    sim = mem_sub.add_parser("simulate", help="replay an allocation trace through a model of the caching "
+                                              "allocator, once per PYTORCH_CUDA_ALLOC_CONF")
+    sim.add_argument("trace", help="JSONL trace ({action, addr, size, stream} per line) or a PyTorch memory "
+                                   "snapshot pickle with device_traces")
+    sim.add_argument("--conf", action="append", help="a PYTORCH_CUDA_ALLOC_CONF value (repeatable; default: "
+                                                     "PyTorch's defaults)")
+    sim.add_argument("--capacity", default="80GiB", help="device memory, units allowed (default 80GiB)")
+    sim.add_argument("--memory-fraction", type=float, default=None,
+                     help="as torch.cuda.set_per_process_memory_fraction (needed for garbage collection)")
+    sim.add_argument("--json", action="store_true", help="one JSON object per configuration")
+    sim.set_defaults(func=_cmd_memory_simulate)
     return parser
 
 

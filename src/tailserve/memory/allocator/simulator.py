@@ -1,0 +1,405 @@
+"""A Python model of PyTorch's CUDA caching allocator (``c10/cuda/CUDACachingAllocator.cpp``)
+that replays allocation traces, so the fragmentation a ``PYTORCH_CUDA_ALLOC_CONF`` setting
+will cause can be predicted without a GPU.
+
+The rules, as in the C++ source (each pinned by a unit test in tests/test_allocator_simulator.py):
+
+- **Rounding**: sizes round up to 512 B; with ``roundup_power2_divisions`` N > 1 for the
+  size's power-of-two interval (and size > 512 * N), to the next of N equal divisions of it.
+- **Pools**: <= 1 MiB goes to the small pool, whose segments are 2 MiB; larger requests to
+  the large pool, whose segments are 20 MiB for requests under 10 MiB, else the request
+  rounded up to 2 MiB.
+- **Best fit per stream**: the smallest cached free block of the same stream that is large
+  enough (ties by address); a block never serves another stream. Blocks >= ``max_split_size``
+  never serve requests below it, and serve larger ones only if block < request +
+  ``max_non_split_rounding``.
+- **Splitting**: the rest of a block becomes a free block if it is >= 512 B (small pool) or,
+  in the large pool, if the request is below ``max_split_size`` and the rest is > 1 MiB.
+- **Freeing** merges a block with its free neighbours of the same segment.
+- **A miss**: garbage collection (only with a memory fraction set and a
+  ``garbage_collection_threshold``), a new segment, then (with ``max_split_size``) free
+  oversize cached blocks and retry, then free every unsplit cached block and retry (counted
+  in ``num_alloc_retries``), then out of memory.
+- **Garbage collection**: while reserved is above threshold x allowed, release unsplit
+  large-pool cached blocks whose age (pool searches since their last use) is at least the
+  average age, in rounds.
+
+Not modelled yet: expandable segments (refused with a clear error), CUDA-graph private
+pools, and cross-stream uses (``record_stream``) that delay a free.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import json
+import math
+import pathlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from tailserve.errors import ConfigError
+from tailserve.memory.allocator.conf import AllocatorConf, parse_alloc_conf
+
+K_MIN_BLOCK = 512
+K_SMALL_SIZE = 1 << 20
+K_SMALL_BUFFER = 2 << 20
+K_LARGE_BUFFER = 20 << 20
+K_MIN_LARGE_ALLOC = 10 << 20
+K_ROUND_LARGE = 2 << 20
+
+
+class SimulatedOutOfMemory(Exception):
+    """The modelled allocator could not serve a request at the given capacity."""
+
+
+@dataclass(eq=False)
+class Block:
+    stream: int
+    size: int
+    addr: int
+    small: bool
+    allocated: bool = False
+    requested: int = 0
+    prev: Block | None = None
+    next: Block | None = None
+    gc_count: int = 0
+
+    @property
+    def is_split(self) -> bool:
+        return self.prev is not None or self.next is not None
+
+    def key(self) -> tuple[int, int, int]:
+        return (self.stream, self.size, self.addr)
+
+
+class _Pool:
+    """Free blocks ordered by (stream, size, address), as the C++ std::set is."""
+
+    def __init__(self, small: bool) -> None:
+        self.small = small
+        self.keys: list[tuple[int, int, int]] = []
+        self.blocks: dict[tuple[int, int, int], Block] = {}
+
+    def insert(self, b: Block) -> None:
+        k = b.key()
+        bisect.insort(self.keys, k)
+        self.blocks[k] = b
+
+    def remove(self, b: Block) -> None:
+        k = b.key()
+        i = bisect.bisect_left(self.keys, k)
+        if i == len(self.keys) or self.keys[i] != k:
+            raise RuntimeError(f"block {k} is not in the pool")
+        del self.keys[i]
+        del self.blocks[k]
+
+    def lower_bound(self, stream: int, size: int) -> int:
+        return bisect.bisect_left(self.keys, (stream, size, -1))
+
+    def __iter__(self) -> Iterator[Block]:
+        return iter([self.blocks[k] for k in self.keys])
+
+
+@dataclass
+class AllocatorStats:
+    reserved_bytes: int = 0
+    allocated_bytes: int = 0
+    requested_bytes: int = 0
+    peak_reserved_bytes: int = 0
+    peak_allocated_bytes: int = 0
+    num_segments: int = 0
+    num_alloc_retries: int = 0
+    num_ooms: int = 0
+
+
+class CachingAllocatorSimulator:
+    """``malloc(size, stream) -> Block`` and ``free(block)`` on one device of
+    ``capacity_bytes``; ``memory_fraction`` as ``torch.cuda.set_per_process_memory_fraction``."""
+
+    def __init__(self, conf: AllocatorConf | str | None = None, capacity_bytes: int = 80 << 30,
+                 memory_fraction: float | None = None) -> None:
+        self.conf = conf if isinstance(conf, AllocatorConf) else parse_alloc_conf(conf)
+        if self.conf.expandable_segments:
+            raise ConfigError("the allocator simulator does not model expandable_segments yet")
+        self.capacity = capacity_bytes
+        self.set_fraction = memory_fraction is not None
+        self.allowed = int(memory_fraction * capacity_bytes) if memory_fraction is not None else capacity_bytes
+        self.small_pool, self.large_pool = _Pool(True), _Pool(False)
+        self.stats = AllocatorStats()
+        self._next_addr = itertools.count(1 << 40, 1 << 40)  # segment addresses, far enough apart never to touch
+
+    # -- the rules ---------------------------------------------------------------------------
+    def round_size(self, size: int) -> int:
+        if size < K_MIN_BLOCK:
+            return K_MIN_BLOCK
+        divisions = self.conf.divisions_for(size)
+        if divisions > 1 and size > K_MIN_BLOCK * divisions:  # 1 division: plain 512 B rounding
+            return _roundup_power2_next_division(size, divisions)
+        return K_MIN_BLOCK * -(-size // K_MIN_BLOCK)
+
+    @staticmethod
+    def allocation_size(size: int) -> int:
+        """A new segment's size for a rounded request."""
+        if size <= K_SMALL_SIZE:
+            return K_SMALL_BUFFER
+        if size < K_MIN_LARGE_ALLOC:
+            return K_LARGE_BUFFER
+        return K_ROUND_LARGE * -(-size // K_ROUND_LARGE)
+
+    def should_split(self, block: Block, size: int) -> bool:
+        remaining = block.size - size
+        if block.small:
+            return remaining >= K_MIN_BLOCK
+        return size < self.conf.max_split_size and remaining > K_SMALL_SIZE
+
+    def _gc_enabled(self) -> bool:
+        return self.set_fraction and self.conf.garbage_collection_threshold > 0.0
+
+    def _get_free_block(self, pool: _Pool, stream: int, size: int) -> Block | None:
+        if self._gc_enabled():
+            for b in pool.blocks.values():
+                b.gc_count += 1
+        i = pool.lower_bound(stream, size)
+        if i == len(pool.keys) or pool.keys[i][0] != stream:
+            return None
+        block = pool.blocks[pool.keys[i]]
+        max_split = self.conf.max_split_size
+        if size < max_split and block.size >= max_split:
+            return None  # an oversize block never serves a request below max_split_size
+        if size >= max_split and block.size >= size + self.conf.max_non_split_rounding:
+            return None
+        block.gc_count = 0
+        pool.remove(block)
+        return block
+
+    def _alloc_block(self, pool: _Pool, stream: int, alloc_size: int, is_retry: bool) -> Block | None:
+        if is_retry:
+            self.stats.num_alloc_retries += 1
+        limit = self.allowed if self.set_fraction else self.capacity
+        if self.stats.reserved_bytes + alloc_size > limit:
+            return None
+        self.stats.reserved_bytes += alloc_size
+        self.stats.num_segments += 1
+        self.stats.peak_reserved_bytes = max(self.stats.peak_reserved_bytes, self.stats.reserved_bytes)
+        return Block(stream, alloc_size, next(self._next_addr), pool.small)
+
+    def _release_block(self, pool: _Pool, block: Block) -> None:
+        pool.remove(block)
+        self.stats.reserved_bytes -= block.size
+        self.stats.num_segments -= 1
+
+    def _release_available_cached_blocks(self, pool: _Pool, stream: int, size: int) -> bool:
+        """Free oversize cached blocks (only with max_split_size): one large enough, else
+        the largest ones of the stream until their sizes add up."""
+        max_split = self.conf.max_split_size
+        if math.isinf(max_split):
+            return False
+        key_size = max(size, int(max_split))
+        i = pool.lower_bound(stream, key_size)
+        if i < len(pool.keys) and pool.keys[i][0] == stream:
+            self._release_block(pool, pool.blocks[pool.keys[i]])
+            return True
+        if i == 0:
+            return False
+        released = 0
+        j = i - 1
+        while j >= 0 and released < key_size:
+            b = pool.blocks[pool.keys[j]]
+            if b.size < max_split or b.stream != stream:
+                break
+            released += b.size
+            self._release_block(pool, b)
+            j -= 1
+        return released >= key_size
+
+    def _release_cached_blocks(self) -> bool:
+        for pool in (self.large_pool, self.small_pool):
+            for b in list(pool):
+                if not b.is_split:
+                    self._release_block(pool, b)
+        return True
+
+    def _garbage_collect(self) -> None:
+        threshold = int(self.conf.garbage_collection_threshold * self.allowed)
+        if self.stats.reserved_bytes <= threshold:
+            return
+        target = self.stats.reserved_bytes - threshold
+        freeable = [b for b in self.large_pool if not b.is_split]
+        if not freeable:
+            return
+        total_age = float(sum(b.gc_count for b in freeable))
+        count = len(freeable)
+        reclaimed, freed_any = 0, True
+        while reclaimed < target and freed_any and count > 0:
+            age_threshold = total_age / count
+            freed_any = False
+            for b in list(self.large_pool):
+                if not b.is_split and b.gc_count >= age_threshold:
+                    freed_any = True
+                    reclaimed += b.size
+                    total_age -= b.gc_count
+                    count -= 1
+                    self._release_block(self.large_pool, b)
+
+    # -- the API ---------------------------------------------------------------------------------
+    def malloc(self, orig_size: int, stream: int = 0) -> Block:
+        size = self.round_size(orig_size)
+        pool = self.small_pool if size <= K_SMALL_SIZE else self.large_pool
+        alloc_size = self.allocation_size(size)
+        block = self._get_free_block(pool, stream, size)
+        if block is None:
+            if self._gc_enabled():
+                self._garbage_collect()
+            block = self._alloc_block(pool, stream, alloc_size, False)
+            if block is None and self._release_available_cached_blocks(pool, stream, size):
+                block = self._alloc_block(pool, stream, alloc_size, False)
+            if block is None and self._release_cached_blocks():
+                block = self._alloc_block(pool, stream, alloc_size, True)
+        if block is None:
+            self.stats.num_ooms += 1
+            raise SimulatedOutOfMemory(
+                f"tried to allocate {alloc_size} bytes with {self.stats.reserved_bytes} reserved and "
+                f"{self.stats.allocated_bytes} allocated of {self.allowed if self.set_fraction else self.capacity}")
+        if self.should_split(block, size):
+            rest = Block(stream, block.size - size, block.addr + size, block.small, prev=None, next=block.next)
+            used = Block(stream, size, block.addr, block.small, prev=block.prev, next=rest)
+            rest.prev = used
+            if used.prev is not None:
+                used.prev.next = used
+            if rest.next is not None:
+                rest.next.prev = rest
+            pool.insert(rest)
+            block = used
+        block.allocated = True
+        block.requested = orig_size
+        st = self.stats
+        st.allocated_bytes += block.size
+        st.requested_bytes += orig_size
+        st.peak_allocated_bytes = max(st.peak_allocated_bytes, st.allocated_bytes)
+        return block
+
+    def free(self, block: Block) -> None:
+        if not block.allocated:
+            raise RuntimeError("block freed twice")
+        block.allocated = False
+        self.stats.allocated_bytes -= block.size
+        self.stats.requested_bytes -= block.requested
+        pool = self.small_pool if block.small else self.large_pool
+        for neighbour in (block.prev, block.next):
+            if neighbour is None or neighbour.allocated:
+                continue
+            pool.remove(neighbour)
+            if neighbour is block.prev:
+                block.addr = neighbour.addr
+                block.prev = neighbour.prev
+                if block.prev is not None:
+                    block.prev.next = block
+            else:
+                block.next = neighbour.next
+                if block.next is not None:
+                    block.next.prev = block
+            block.size += neighbour.size
+        pool.insert(block)
+
+    def empty_cache(self) -> None:
+        self._release_cached_blocks()
+
+    # -- figures ---------------------------------------------------------------------------------
+    @property
+    def inactive_split_bytes(self) -> int:
+        """Free bytes in split blocks: stranded in segments that are partly in use."""
+        return sum(b.size for pool in (self.small_pool, self.large_pool) for b in pool.blocks.values() if b.is_split)
+
+    @property
+    def largest_free_block(self) -> int:
+        return max((b.size for pool in (self.small_pool, self.large_pool) for b in pool.blocks.values()), default=0)
+
+    def fragmentation(self) -> dict[str, float]:
+        """The three measures: inactive split / reserved (the one alerted on), (reserved -
+        allocated) / reserved (includes releasable cache), 1 - peak allocated / peak reserved."""
+        st = self.stats
+        r = st.reserved_bytes
+        return {
+            "inactive_split_over_reserved": self.inactive_split_bytes / r if r else 0.0,
+            "unallocated_over_reserved": (r - st.allocated_bytes) / r if r else 0.0,
+            "one_minus_peak_ratio": 1 - st.peak_allocated_bytes / st.peak_reserved_bytes
+            if st.peak_reserved_bytes else 0.0,
+        }
+
+
+def _roundup_power2_next_division(size: int, divisions: int) -> int:
+    if size <= 4 or divisions <= 1 or size & (size - 1) == 0:
+        return size
+    floor = 1 << (size.bit_length() - 1)
+    step = floor >> (divisions.bit_length() - 1)
+    if step == 0:
+        return floor << 1
+    rounded = size & ~(step - 1)
+    return size if rounded == size else rounded + step
+
+
+# -- traces ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TraceEvent:
+    action: str  # "alloc" | "free"
+    addr: int
+    size: int
+    stream: int = 0
+
+
+def read_jsonl_trace(path: str | pathlib.Path) -> list[TraceEvent]:
+    """Lines of ``{"action": "alloc"|"free", "addr": int, "size": int, "stream": int}``."""
+    events = []
+    for n, line in enumerate(pathlib.Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+            ev = TraceEvent(str(d["action"]), int(d["addr"]), int(d.get("size", 0)), int(d.get("stream", 0)))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"{path}:{n}: not a trace event ({e})") from None
+        if ev.action not in ("alloc", "free"):
+            raise ConfigError(f"{path}:{n}: action must be alloc or free, got {ev.action!r}")
+        events.append(ev)
+    return events
+
+
+@dataclass
+class SimulationResult:
+    conf: str
+    peak_reserved_bytes: int
+    peak_allocated_bytes: int
+    num_alloc_retries: int
+    oom: bool
+    oom_at_event: int | None
+    final_fragmentation: dict[str, float] = field(default_factory=dict)
+    max_inactive_split_over_reserved: float = 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        return dict(self.__dict__)
+
+
+def simulate_trace(events: Iterable[TraceEvent], conf: AllocatorConf | str | None = None,
+                   capacity_bytes: int = 80 << 30, memory_fraction: float | None = None) -> SimulationResult:
+    """Replay a trace; frees of addresses the trace never allocated are ignored (a trace
+    that starts mid-run)."""
+    sim = CachingAllocatorSimulator(conf, capacity_bytes, memory_fraction)
+    live: dict[int, Block] = {}
+    oom_at = None
+    worst = 0.0
+    for i, ev in enumerate(events):
+        if ev.action == "alloc":
+            try:
+                live[ev.addr] = sim.malloc(ev.size, ev.stream)
+            except SimulatedOutOfMemory:
+                oom_at = i
+                break
+        else:
+            b = live.pop(ev.addr, None)
+            if b is not None:
+                sim.free(b)
+        if sim.stats.reserved_bytes:
+            worst = max(worst, sim.inactive_split_bytes / sim.stats.reserved_bytes)
+    return SimulationResult(str(sim.conf), sim.stats.peak_reserved_bytes, sim.stats.peak_allocated_bytes,
+                            sim.stats.num_alloc_retries, oom_at is not None, oom_at, sim.fragmentation(), worst)
