@@ -25,6 +25,20 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def stats(self) -> dict[str, object]:
+        """The engine's figures now: the KV cache's (``KVCacheFigures``: utilisation,
+        internal fragmentation, prefix-hit rates, evictions, preemptions) and speculative
+        decoding's (drafts, draft tokens, accepted tokens, acceptance rate)."""
+        spec = self.engine.spec_stats
+        return {
+            "kv_cache": self.engine.kv_figures().as_dict(),
+            "speculative": {"num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
+                            "num_accepted_tokens": spec.num_accepted_tokens,
+                            "acceptance_rate": spec.num_accepted_tokens / spec.num_draft_tokens
+                            if spec.num_draft_tokens else None},
+            "num_steps": self.engine.num_steps,
+        }
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         prompt_list = _as_prompt_list(prompts)

@@ -20,6 +20,7 @@ from tailserve.engine.output_processor import OutputProcessor
 from tailserve.engine.processor import PreparedRequest, Processor, Prompt
 from tailserve.engine.request import RequestStatus
 from tailserve.errors import InvalidRequestError
+from tailserve.memory.kv_figures import KVCacheFigures
 from tailserve.metrics.prometheus import PrometheusMetrics
 from tailserve.metrics.timeline import RequestMetrics
 from tailserve.model.tokenizer import Tokenizer
@@ -121,6 +122,22 @@ class LLMEngine:
     @property
     def num_unfinished_requests(self) -> int:
         return len(self.core.scheduler.requests)
+
+    # -- figures ---------------------------------------------------------------------------
+    def kv_figures(self) -> KVCacheFigures:
+        """The KV cache's figures right now (a pass over the blocks: not for every step)."""
+        return KVCacheFigures.from_scheduler(self.core.scheduler, self.core.worker.kv_bytes_per_block)
+
+    def metrics_exposition(self, num_waiting: int | None = None) -> bytes:
+        """Prometheus text with the live gauges refreshed (``num_waiting`` from a caller
+        that queues requests before they reach the scheduler)."""
+        if self.prometheus is None:
+            raise RuntimeError("metrics are disabled")
+        sched = self.core.scheduler
+        self.prometheus._c["running"].set(sched.num_running)
+        self.prometheus._c["waiting"].set(sched.num_waiting if num_waiting is None else num_waiting)
+        self.prometheus.observe_kv(self.kv_figures())
+        return self.prometheus.exposition()
 
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

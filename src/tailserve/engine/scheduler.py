@@ -178,8 +178,12 @@ class Scheduler:
                 req.num_registered_blocks = len(hits)
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_computed
-                self.pool.stats.queries_tokens += req.num_tokens
-                self.pool.stats.hits_tokens += num_computed
+                ps = self.pool.stats
+                ps.queries_tokens += req.num_tokens
+                ps.hits_tokens += num_computed
+                if self.pool.enable_prefix_caching:
+                    ps.queries_requests += 1
+                    ps.hits_requests += num_computed > 0
                 req.block_ids.extend(self.pool.allocate(need))
                 req.status = RequestStatus.RUNNING
                 req.events.append(("scheduled", now_ns))

@@ -40,9 +40,16 @@ class PrefixCacheStats:
     hits_tokens: int = 0  # of those, tokens found in cached blocks
     evictions: int = 0  # cached blocks whose hash was dropped to reuse the block
 
+    queries_requests: int = 0  # admissions that looked up the prefix cache
+    hits_requests: int = 0  # of those, admissions that found at least one cached block
+
     @property
     def hit_rate(self) -> float:
         return self.hits_tokens / self.queries_tokens if self.queries_tokens else 0.0
+
+    @property
+    def request_hit_rate(self) -> float:
+        return self.hits_requests / self.queries_requests if self.queries_requests else 0.0
 
 
 @dataclass

@@ -9,9 +9,14 @@ Exact and sketch percentiles are in ``tailserve.metrics.quantiles``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tailserve.metrics.timeline import RequestMetrics, StepStats
+
+if TYPE_CHECKING:
+    from tailserve.memory.kv_figures import KVCacheFigures
 
 
 def latency_buckets(lo: float = 5e-4, hi: float = 600.0, factor: float = 1.25) -> list[float]:
@@ -71,6 +76,16 @@ class PrometheusMetrics:
                                    "Live tokens / token slots of allocated KV blocks (0-1).", lab, registry=r)
         self.kv_blocks_total = Gauge("tailserve:kv_cache_blocks_total", "KV-cache blocks in the pool.", lab,
                                      registry=r)
+        self.kv_blocks_cached = Gauge("tailserve:kv_cache_blocks_cached",
+                                      "Free KV blocks that still hold a reusable prefix.", lab, registry=r)
+        self.kv_internal_frag = Gauge("tailserve:kv_cache_internal_fragmentation",
+                                      "Empty token slots / token slots of allocated KV blocks (0-1).", lab, registry=r)
+        self.prefix_request_queries = Counter("tailserve:prefix_cache_request_queries",
+                                              "Admissions that looked up the prefix cache.", lab, registry=r)
+        self.prefix_request_hits = Counter("tailserve:prefix_cache_request_hits",
+                                           "Admissions that found at least one cached block.", lab, registry=r)
+        self.prefix_evictions = Counter("tailserve:prefix_cache_evictions",
+                                        "Cached KV blocks evicted to be reused.", lab, registry=r)
         self.spec_drafts = Counter("tailserve:spec_decode_num_drafts", "Verification rounds with drafts.", lab,
                                    registry=r)
         self.spec_draft_tokens = Counter("tailserve:spec_decode_num_draft_tokens", "Draft tokens proposed.", lab,
@@ -86,9 +101,11 @@ class PrometheusMetrics:
             "step_time", "running", "waiting", "kv_usage", "kv_token_util", "kv_blocks_total", "preemptions",
             "prefix_queries", "prefix_hits", "generation_tokens", "prompt_tokens", "prompt_len", "gen_len", "ttft",
             "e2el", "queue", "prefill", "decode", "inference", "tpot", "itl", "spec_drafts", "spec_draft_tokens",
-            "spec_accepted")}
+            "spec_accepted", "kv_blocks_cached", "kv_internal_frag", "prefix_request_queries", "prefix_request_hits",
+            "prefix_evictions")}
         self._last_queries = 0
         self._last_hits = 0
+        self._last_kv_counts = (0, 0, 0)
 
     def observe_step(self, s: StepStats, prefix_queries_total: int, prefix_hits_total: int) -> None:
         self._c["step_time"].observe(s.duration_s)
@@ -105,6 +122,21 @@ class PrometheusMetrics:
         if prefix_hits_total > self._last_hits:
             self._c["prefix_hits"].inc(prefix_hits_total - self._last_hits)
             self._last_hits = prefix_hits_total
+
+    def observe_kv(self, fig: KVCacheFigures) -> None:
+        """The KV cache's figures right now (at a scrape: they cost a pass over the blocks)."""
+        c = self._c
+        c["kv_usage"].set(fig.block_utilization)
+        c["kv_token_util"].set(fig.token_utilization)
+        c["kv_internal_frag"].set(fig.internal_fragmentation)
+        c["kv_blocks_total"].set(fig.num_blocks)
+        c["kv_blocks_cached"].set(fig.num_cached_blocks)
+        counts = (fig.prefix_queries_requests, fig.prefix_hits_requests, fig.num_evictions)
+        for name, now, before in zip(("prefix_request_queries", "prefix_request_hits", "prefix_evictions"), counts,
+                                     self._last_kv_counts):
+            if now > before:
+                c[name].inc(now - before)
+        self._last_kv_counts = counts
 
     def observe_spec(self, num_draft_tokens: int, num_accepted: int) -> None:
         m = self.model_name

@@ -329,12 +329,7 @@ class Server:
         if prom is None:
             raise APIError(404, "metrics are disabled (--disable-metrics)")
         # Live gauges: a scrape between steps must still see what is in use right now.
-        pool, sched = self.engine.block_pool, self.engine.scheduler
-        prom._c["running"].set(sched.num_running)
-        prom._c["waiting"].set(self.async_engine.num_waiting)
-        prom._c["kv_usage"].set(pool.num_used_blocks / pool.num_blocks)
-        prom._c["kv_blocks_total"].set(pool.num_blocks)
-        return Response(prom.exposition(), media_type=CONTENT_TYPE_LATEST)
+        return Response(self.engine.metrics_exposition(self.async_engine.num_waiting), media_type=CONTENT_TYPE_LATEST)
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
