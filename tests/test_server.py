@@ -163,6 +163,8 @@ def test_h2c_connection_outlives_a_thousand_requests(server):
                     assert not isinstance(ev, h2.events.ConnectionTerminated), f"GOAWAY after {len(statuses)}"
                     if isinstance(ev, h2.events.ResponseReceived):
                         statuses.append(dict(ev.headers)[b":status"])
+                    elif isinstance(ev, h2.events.DataReceived):  # give the flow-control window back
+                        conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
                     elif isinstance(ev, h2.events.StreamEnded) and ev.stream_id == sid:
                         ended = True
                 out = conn.data_to_send()
@@ -219,7 +221,10 @@ def test_bad_input_gets_documented_error_and_server_survives(server, path, body,
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     if code is not None:
         assert err["code"] == code
-    assert httpx.get(server.url + "/health").status_code == 200
+    health = httpx.get(server.url + "/health")
+    assert health.status_code == 200
+    assert health.json()["cuda_allocator"] == {"conf": "default", "source": "default", "memory_fraction": None,
+                                               "warnings": []}
 
 
 def test_models_version_metrics(server):

@@ -31,6 +31,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--cuda-alloc-conf", default=None,
+                   help="PYTORCH_CUDA_ALLOC_CONF for this process, e.g. max_split_size_mb:128 (validated; applied "
+                        "before CUDA initialises)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="fraction of the GPU's memory this process may use (per-process memory fraction)")
     g.add_argument("--no-cpu-onednn", dest="cpu_onednn", action="store_false",
                    help="use PyTorch's plain linear kernels on the CPU instead of oneDNN-packed weights")
     s = p.add_argument_group("speculative decoding")
@@ -61,6 +66,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
         seed=args.seed, cpu_onednn=args.cpu_onednn,
+        cuda_alloc_conf=args.cuda_alloc_conf, gpu_memory_utilization=args.gpu_memory_utilization,
         speculative_model=args.speculative_model, speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens, speculative_max_tokens=args.speculative_max_tokens,
         speculative_draft_dtype=args.speculative_draft_dtype,

@@ -93,6 +93,11 @@ class EngineConfig:
     speculative_draft_stop_margin: float | None = None
     ngram_min: int = 1
     ngram_max: int = 4
+    # PYTORCH_CUDA_ALLOC_CONF for this process (validated, applied before CUDA initialises;
+    # see memory/allocator/control.py), and the fraction of the GPU's memory the process may
+    # use (torch.cuda.set_per_process_memory_fraction; needed for garbage collection).
+    cuda_alloc_conf: str | None = None
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str | pathlib.Path) or not str(self.model):
@@ -144,6 +149,13 @@ class EngineConfig:
             raise ConfigError("speculative_max_tokens must be in [1, 16]")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        u = self.gpu_memory_utilization
+        if u is not None and (isinstance(u, bool) or not isinstance(u, int | float) or not 0.0 < u <= 1.0):
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
+        if self.cuda_alloc_conf is not None:
+            from tailserve.memory.allocator.conf import parse_alloc_conf
+
+            parse_alloc_conf(self.cuda_alloc_conf)  # a bad key or value fails here, naming it
 
     @property
     def draft_stop_margin(self) -> float:

@@ -46,6 +46,10 @@ class LLMEngine:
         self.metrics_enabled = config.enable_metrics
         self.prometheus = PrometheusMetrics(self.model_name) if config.enable_metrics else None
         self.output_processor = OutputProcessor(self.tokenizer, self.prometheus)
+        self.allocator_settings = worker.allocator_settings
+        if self.prometheus is not None:
+            a = self.allocator_settings
+            self.prometheus.alloc_conf_info.labels(self.model_name, a.text or "default", a.source).set(1)
         self._ids = itertools.count()
 
     # -- read-only views of the stages, for callers, tests and benchmarks ----------------------

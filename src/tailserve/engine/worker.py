@@ -19,6 +19,7 @@ from tailserve.config import EngineConfig
 from tailserve.engine.model_runner import ModelRunner, Proposer
 from tailserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tailserve.errors import ConfigError
+from tailserve.memory.allocator.control import apply_alloc_conf
 from tailserve.memory.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from tailserve.model.config import ModelArchConfig, load_arch_config, parse_dtype
 from tailserve.model.linear import select_linear_method
@@ -66,8 +67,13 @@ class Worker:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
+        # Before anything touches CUDA: the caching allocator reads its settings only then.
+        self.allocator_settings = apply_alloc_conf(config.cuda_alloc_conf, config.gpu_memory_utilization,
+                                                   strict_env=self.device.type == "cuda")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device cuda requested but torch.cuda.is_available() is False")
+        if self.device.type == "cuda" and config.gpu_memory_utilization is not None:
+            torch.cuda.set_per_process_memory_fraction(config.gpu_memory_utilization, self.device)
         self.model_dir = pathlib.Path(resolve_model_path(config.model))
         arch = load_arch_config(self.model_dir)
         max_len = config.max_model_len or arch.max_position_embeddings

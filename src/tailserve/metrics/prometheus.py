@@ -95,6 +95,9 @@ class PrometheusMetrics:
         self.spec_accepted_pos = Counter("tailserve:spec_decode_num_accepted_tokens_per_pos",
                                          "Draft tokens accepted, by position in the draft.",
                                          ["model_name", "position"], registry=r)
+        self.alloc_conf_info = Gauge("tailserve:cuda_alloc_conf_info",
+                                     "The PYTORCH_CUDA_ALLOC_CONF in force (1 for the series whose labels say it).",
+                                     ["model_name", "conf", "source"], registry=r)
         self.model_name = model_name
         # Children for the model_name label, resolved once: .labels() costs microseconds per call.
         self._c = {n: getattr(self, n).labels(model_name) for n in (
