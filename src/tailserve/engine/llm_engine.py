@@ -13,6 +13,8 @@ import itertools
 import pathlib
 import time
 
+import torch
+
 from tailserve.assets import resolve_model_path
 from tailserve.config import EngineConfig
 from tailserve.engine.core import EngineCore, EngineStepError
@@ -20,6 +22,7 @@ from tailserve.engine.output_processor import OutputProcessor
 from tailserve.engine.processor import PreparedRequest, Processor, Prompt
 from tailserve.engine.request import RequestStatus
 from tailserve.errors import InvalidRequestError
+from tailserve.memory.allocator.monitor import AllocatorMonitor
 from tailserve.memory.kv_figures import KVCacheFigures
 from tailserve.metrics.prometheus import PrometheusMetrics
 from tailserve.metrics.timeline import RequestMetrics
@@ -51,6 +54,26 @@ class LLMEngine:
             a = self.allocator_settings
             self.prometheus.alloc_conf_info.labels(self.model_name, a.text or "default", a.source).set(1)
         self._ids = itertools.count()
+        self.allocator_monitor: AllocatorMonitor | None = None
+        if worker.device.type == "cuda":
+            device = worker.device
+            self.attach_allocator_monitor(AllocatorMonitor(lambda: torch.cuda.memory_stats(device)))
+
+    def attach_allocator_monitor(self, monitor: AllocatorMonitor) -> None:
+        """Sample the CUDA caching allocator with ``monitor`` after steps (every N steps or T
+        seconds); its figures go to Prometheus and ``health()``."""
+        if self.prometheus is not None:
+            prom = self.prometheus
+            monitor.on_sample = lambda m: prom.observe_allocator(m.figures())
+        self.allocator_monitor = monitor
+
+    def health(self) -> dict[str, object]:
+        """``{"status": "ok" | "degraded", ...}``: degraded while the allocator monitor alerts."""
+        out: dict[str, object] = {"status": "ok", "cuda_allocator": self.allocator_settings.as_dict()}
+        if self.allocator_monitor is not None:
+            out.update(self.allocator_monitor.health())
+            out["cuda_memory"] = self.allocator_monitor.figures()
+        return out
 
     # -- read-only views of the stages, for callers, tests and benchmarks ----------------------
     @property
@@ -158,6 +181,8 @@ class LLMEngine:
         if to_stop:
             self.core.finish_requests(to_stop, RequestStatus.FINISHED_STOPPED)
         self.core.end_step()
+        if self.allocator_monitor is not None:
+            self.allocator_monitor.maybe_sample(self.core.num_steps)
         if self.prometheus is not None and core_outputs and self.core.step_log:
             ps = self.core.block_pool.stats
             self.prometheus.observe_step(self.core.step_log[-1], ps.queries_tokens, ps.hits_tokens)

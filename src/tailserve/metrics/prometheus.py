@@ -95,6 +95,20 @@ class PrometheusMetrics:
         self.spec_accepted_pos = Counter("tailserve:spec_decode_num_accepted_tokens_per_pos",
                                          "Draft tokens accepted, by position in the draft.",
                                          ["model_name", "position"], registry=r)
+        self.cuda_mem = {k: Gauge(f"tailserve:cuda_memory_{k}", doc, lab, registry=r) for k, doc in (
+            ("reserved_bytes", "Bytes reserved by PyTorch's CUDA caching allocator (last sample)."),
+            ("allocated_bytes", "Bytes allocated to tensors (last sample)."),
+            ("active_bytes", "Bytes in active blocks (last sample)."),
+            ("inactive_split_bytes", "Free bytes stranded in partly used segments (last sample)."),
+            ("requested_bytes", "Bytes requested by tensors, before rounding (last sample)."),
+            ("num_alloc_retries", "Allocations that freed the cache and retried (cumulative, last sample)."),
+            ("num_ooms", "Out-of-memory errors of the allocator (cumulative, last sample)."),
+            ("inactive_split_over_reserved", "Fragmentation alerted on: inactive split / reserved."),
+            ("unallocated_over_reserved", "(reserved - allocated) / reserved, incl. releasable cache."),
+            ("one_minus_peak_ratio", "1 - peak active / peak reserved."))}
+        self.fragmentation_episodes = Counter("tailserve:cuda_memory_fragmentation_episodes",
+                                              "Fragmentation alert episodes.", lab, registry=r)
+        self._last_episodes = 0
         self.alloc_conf_info = Gauge("tailserve:cuda_alloc_conf_info",
                                      "The PYTORCH_CUDA_ALLOC_CONF in force (1 for the series whose labels say it).",
                                      ["model_name", "conf", "source"], registry=r)
@@ -140,6 +154,17 @@ class PrometheusMetrics:
             if now > before:
                 c[name].inc(now - before)
         self._last_kv_counts = counts
+
+    def observe_allocator(self, figures: dict[str, float | int]) -> None:
+        """An allocator monitor's sample (``AllocatorMonitor.figures()``)."""
+        m = self.model_name
+        for k, g in self.cuda_mem.items():
+            if k in figures:
+                g.labels(m).set(figures[k])
+        episodes = int(figures.get("num_episodes", 0))
+        if episodes > self._last_episodes:
+            self.fragmentation_episodes.labels(m).inc(episodes - self._last_episodes)
+            self._last_episodes = episodes
 
     def observe_spec(self, num_draft_tokens: int, num_accepted: int) -> None:
         m = self.model_name

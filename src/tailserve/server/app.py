@@ -332,7 +332,7 @@ class Server:
         return Response(self.engine.metrics_exposition(self.async_engine.num_waiting), media_type=CONTENT_TYPE_LATEST)
 
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok", "cuda_allocator": self.engine.allocator_settings.as_dict()})
+        return JSONResponse(self.engine.health())
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": tailserve.__version__})
