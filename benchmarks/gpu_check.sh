@@ -10,3 +10,6 @@ pip install -q safetensors tokenizers ddsketch prometheus-client rich starlette 
 timeout 300 python -m pytest -q -m gpu tests/test_gpu.py tests/test_attention_backend.py 2>&1 | tail -20 | tee "$OUT/gpu_tests.txt"
 timeout 240 python benchmarks/bench_engine.py --runs 3 --dtypes bfloat16 --device cuda 2>&1 | tail -20 \
     | tee "$OUT/bench_engine_cuda.txt"
+# The caching-allocator model against the real allocator on the same traces (goal: within 5%).
+timeout 240 python benchmarks/allocator_check.py --json "$OUT/allocator_check.json" 2>&1 | tail -14 \
+    | tee "$OUT/allocator_check.txt"

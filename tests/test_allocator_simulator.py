@@ -278,3 +278,18 @@ def test_snapshot_device_traces_replay_and_the_cli(tmp_path, capsys):
     assert main(["memory", "simulate", str(path), "--conf", "max_split_size_mb:5"]) == 2  # one-line error
     assert "max_split_size_mb must be >= 20" in capsys.readouterr().err
     assert main(["memory", "simulate", str(path)]) == 0 and "default" in capsys.readouterr().out
+
+
+def test_the_gpu_comparison_script_predicts_without_a_gpu(tmp_path):
+    import subprocess
+    import sys
+
+    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    out = tmp_path / "check.json"
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "allocator_check.py"), "--simulate-only", "--json",
+                        str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())
+    order = [x for x in rows if x["trace"] == "order"]
+    assert order and all(x["predicted_peak_reserved_bytes"] == 256 * MiB for x in order)
+    assert all(x["real_peak_reserved_bytes"] is None for x in rows)
