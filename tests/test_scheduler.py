@@ -301,3 +301,21 @@ def test_seeded_sampled_requests_draft_a_fixed_k_under_adaptive_speculation():
     out = s.schedule()
     la = {q.request_id: q.num_lookahead_tokens for q in out.scheduled}
     assert la == {"seeded": s.seeded_k, "greedy": 0} and s.seeded_k == 4
+
+
+def test_admission_hook_lets_a_contiguous_baseline_reserve_the_whole_context():
+    """The capacity benchmark's baseline (benchmarks/bench_kv_capacity.py): reserving
+    max_model_len per sequence at admission admits 16 / 8 = 2 sequences where paging admits
+    all 6 (each needs 2 blocks now)."""
+
+    class Contiguous(Scheduler):
+        def _blocks_at_admission(self, req, num_tokens):
+            return -(-32 // self.block_size)
+
+    for cls, admitted in ((Scheduler, 6), (Contiguous, 2)):
+        s = cls(SchedulerConfig(8, 256, True), BlockPool(16, 4, False))
+        for i in range(6):
+            s.add_request(Request(f"r{i}", list(range(100 + 10 * i, 106 + 10 * i)), SamplingParams(max_tokens=20),
+                                  frozenset({EOS}), 32))
+        out = s.schedule()
+        assert len(out.scheduled) == admitted and s.pool.num_used_blocks == admitted * (8 if cls is Contiguous else 2)

@@ -165,7 +165,7 @@ class Scheduler:
                 num_new = min(num_new, budget)
                 # Cache-hit blocks that are currently free stop being free when taken.
                 free_hits = sum(1 for b in hits if self.pool.blocks[b].ref_count == 0)
-                need = -(-(num_computed + num_new) // self.block_size) - len(hits)
+                need = self._blocks_at_admission(req, num_computed + num_new) - len(hits)
                 if need > self.pool.num_free_blocks - free_hits:
                     break
                 self.waiting.popleft()
@@ -197,6 +197,12 @@ class Scheduler:
         for req in chosen:
             self._describe(req, out)
         return out
+
+    def _blocks_at_admission(self, req: Request, num_tokens: int) -> int:
+        """Blocks a request holds once admitted to compute its first ``num_tokens`` tokens.
+        Paging allocates only those; the capacity benchmark's contiguous baseline overrides
+        this to reserve the whole context up front."""
+        return -(-num_tokens // self.block_size)
 
     def _reserve_lookahead(self, out: SchedulerOutput, chosen: list[Request]) -> None:
         """Choose each sampling request's number of drafts to propose after this step and
