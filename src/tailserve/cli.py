@@ -1,4 +1,4 @@
-"""The ``tailserve`` command line: ``generate``, ``serve``, ``memory simulate``.
+"""The ``tailserve`` command line: ``generate``, ``serve``, ``memory simulate | analyze``.
 
 Flag names follow vLLM's where the concept is the same. User errors print one line on
 stderr and exit with status 2; nothing prints a traceback for a bad flag or a bad model.
@@ -154,6 +154,23 @@ def _cmd_memory_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_memory_analyze(args: argparse.Namespace) -> int:
+    import json
+    import pathlib
+
+    from tailserve.memory.allocator.analyze import analyze_snapshot, format_report, segment_map_png
+    from tailserve.memory.allocator.snapshot import load_snapshot
+
+    snap = load_snapshot(args.snapshot)
+    a = analyze_snapshot(snap, top=args.top)
+    print(json.dumps(a.as_dict()) if args.json else format_report(a))
+    if args.png:
+        pathlib.Path(args.png).write_bytes(segment_map_png(snap))
+        if not args.json:
+            print(f"segment map: {args.png}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tailserve", description="LLM inference engine and performance toolkit")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -201,6 +218,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="as torch.cuda.set_per_process_memory_fraction (needed for garbage collection)")
     sim.add_argument("--json", action="store_true", help="one JSON object per configuration")
     sim.set_defaults(func=_cmd_memory_simulate)
+    ana = mem_sub.add_parser("analyze", help="explain a PyTorch memory snapshot: pools, stranded bytes, sites, a map")
+    ana.add_argument("snapshot", help="a pickle from torch.cuda.memory._dump_snapshot (loaded as plain data only)")
+    ana.add_argument("--png", help="also write the segment map as a PNG here")
+    ana.add_argument("--top", type=int, default=10, help="allocation sites to list")
+    ana.add_argument("--json", action="store_true")
+    ana.set_defaults(func=_cmd_memory_analyze)
     return parser
 
 
