@@ -293,3 +293,26 @@ def test_the_gpu_comparison_script_predicts_without_a_gpu(tmp_path):
     order = [x for x in rows if x["trace"] == "order"]
     assert order and all(x["predicted_peak_reserved_bytes"] == 256 * MiB for x in order)
     assert all(x["real_peak_reserved_bytes"] is None for x in rows)
+
+
+def test_recommend_picks_the_setting_that_fits_and_says_why(tmp_path, capsys):
+    from tailserve.cli import main
+    from tailserve.memory.allocator.simulator import TraceEvent, recommend
+
+    # 100 MiB tensors alternate with 30 MiB ones that outlive them: by default each freed
+    # 100 MiB segment is split for the next 30 MiB tensor, and the next 100 MiB one needs a
+    # new segment; max_split_size keeps the 100 MiB blocks whole for the 100 MiB requests.
+    ev, addr = [], 0
+    for _ in range(6):
+        ev += [TraceEvent("alloc", addr, 100 * MiB), TraceEvent("free", addr, 0),
+               TraceEvent("alloc", addr + 1, 30 * MiB)]
+        addr += 2
+    ranked, why = recommend(ev, capacity_bytes=1 << 40)
+    default = next(r for r in ranked if r.conf == "default")
+    assert ranked[0].peak_reserved_bytes < default.peak_reserved_bytes and "max_split_size_mb" in ranked[0].conf
+    assert why.startswith("use PYTORCH_CUDA_ALLOC_CONF=") and "less than the default" in why
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps({"action": e.action, "addr": e.addr, "size": e.size}) for e in ev))
+    assert main(["memory", "recommend", str(path), "--capacity", "1024GiB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["recommendation"] == ranked[0].conf and out["why"] == why

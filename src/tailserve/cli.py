@@ -1,4 +1,4 @@
-"""The ``tailserve`` command line: ``generate``, ``serve``, ``memory simulate | analyze``.
+"""The ``tailserve`` command line: ``generate``, ``serve``, ``memory simulate | recommend | analyze``.
 
 Flag names follow vLLM's where the concept is the same. User errors print one line on
 stderr and exit with status 2; nothing prints a traceback for a bad flag or a bad model.
@@ -154,6 +154,24 @@ def _cmd_memory_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_memory_recommend(args: argparse.Namespace) -> int:
+    import json
+
+    from tailserve.memory.allocator.simulator import recommend
+    from tailserve.memory.allocator.snapshot import read_trace
+
+    ranked, why = recommend(read_trace(args.trace), parse_bytes(args.capacity), args.memory_fraction)
+    if args.json:
+        print(json.dumps({"recommendation": ranked[0].conf, "why": why, "ranked": [r.as_dict() for r in ranked]}))
+        return 0
+    mib = 1 << 20
+    for r in ranked:
+        oom = f"out of memory at event {r.oom_at_event}" if r.oom else f"{r.num_alloc_retries} retries"
+        print(f"{(r.conf or 'default')[:52]:52s} peak reserved {r.peak_reserved_bytes / mib:10.1f} MiB  {oom}")
+    print(why)
+    return 0
+
+
 def _cmd_memory_analyze(args: argparse.Namespace) -> int:
     import json
     import pathlib
@@ -218,6 +236,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="as torch.cuda.set_per_process_memory_fraction (needed for garbage collection)")
     sim.add_argument("--json", action="store_true", help="one JSON object per configuration")
     sim.set_defaults(func=_cmd_memory_simulate)
+    rec = mem_sub.add_parser("recommend", help="simulate candidate PYTORCH_CUDA_ALLOC_CONF settings on a trace "
+                                               "and say which to use and why")
+    rec.add_argument("trace", help="as for simulate")
+    rec.add_argument("--capacity", required=True, help="device memory the workload must fit in, e.g. 80GiB")
+    rec.add_argument("--memory-fraction", type=float, default=None)
+    rec.add_argument("--json", action="store_true")
+    rec.set_defaults(func=_cmd_memory_recommend)
     ana = mem_sub.add_parser("analyze", help="explain a PyTorch memory snapshot: pools, stranded bytes, sites, a map")
     ana.add_argument("snapshot", help="a pickle from torch.cuda.memory._dump_snapshot (loaded as plain data only)")
     ana.add_argument("--png", help="also write the segment map as a PNG here")

@@ -403,3 +403,35 @@ def simulate_trace(events: Iterable[TraceEvent], conf: AllocatorConf | str | Non
             worst = max(worst, sim.inactive_split_bytes / sim.stats.reserved_bytes)
     return SimulationResult(str(sim.conf), sim.stats.peak_reserved_bytes, sim.stats.peak_allocated_bytes,
                             sim.stats.num_alloc_retries, oom_at is not None, oom_at, sim.fragmentation(), worst)
+
+
+RECOMMEND_CANDIDATES: tuple[str, ...] = (
+    "", "max_split_size_mb:64", "max_split_size_mb:128", "max_split_size_mb:256", "max_split_size_mb:512",
+    "roundup_power2_divisions:2", "roundup_power2_divisions:4", "roundup_power2_divisions:8",
+    "max_split_size_mb:128,roundup_power2_divisions:4", "max_split_size_mb:256,roundup_power2_divisions:4",
+    "max_split_size_mb:128,roundup_power2_divisions:8", "max_split_size_mb:512,roundup_power2_divisions:8",
+)
+
+
+def recommend(events: list[TraceEvent], capacity_bytes: int, memory_fraction: float | None = None,
+              candidates: Iterable[str] = RECOMMEND_CANDIDATES) -> tuple[list[SimulationResult], str]:
+    """Simulate every candidate; rank those that never run out by peak reserved bytes (then
+    retries, then the simpler setting); returns (ranked results, a sentence saying why)."""
+    results = [simulate_trace(events, c, capacity_bytes, memory_fraction) for c in candidates]
+    ranked = sorted(results, key=lambda r: (r.oom, r.peak_reserved_bytes, r.num_alloc_retries, len(r.conf)))
+    default = next(r for r in results if r.conf in ("", "default"))
+    best = ranked[0]
+    mib = 1 << 20
+    if best.oom:
+        why = (f"every candidate runs out of memory at {capacity_bytes / mib:.0f} MiB; the latest to run out is "
+               f"{best.conf or 'default'} (event {best.oom_at_event})")
+    elif best is default or (best.peak_reserved_bytes == default.peak_reserved_bytes and not default.oom):
+        why = ("keep PyTorch's defaults: no candidate reserves less than their "
+               f"{default.peak_reserved_bytes / mib:.0f} MiB at peak on this trace")
+    else:
+        saved = default.peak_reserved_bytes - best.peak_reserved_bytes
+        tail = (f"; the default runs out at event {default.oom_at_event}" if default.oom else
+                f", {saved / mib:.0f} MiB ({saved / default.peak_reserved_bytes:.0%}) less than the default")
+        why = (f"use PYTORCH_CUDA_ALLOC_CONF={best.conf}: peak reserved {best.peak_reserved_bytes / mib:.0f} MiB "
+               f"with {best.num_alloc_retries} retries{tail}")
+    return ranked, why
