@@ -34,34 +34,27 @@ def trace_order() -> list[TraceEvent]:
     return ev
 
 
-def trace_kv_like(seed: int = 0) -> list[TraceEvent]:
+def _random_trace(n: int, free_prob: float, size, seed: int) -> list[TraceEvent]:
+    """n events: with probability free_prob free a random live tensor, else allocate size(rng)."""
     rng = random.Random(seed)
     ev, live, addr = [], [], 0
-    for _ in range(600):
-        if live and rng.random() < 0.45:
-            a = live.pop(rng.randrange(len(live)))
-            ev.append(TraceEvent("free", a, 0))
+    for _ in range(n):
+        if live and rng.random() < free_prob:
+            ev.append(TraceEvent("free", live.pop(rng.randrange(len(live))), 0))
         else:
-            size = rng.choice([3 * MiB, 5 * MiB, 12 * MiB, 24 * MiB, 40 * MiB]) + rng.randrange(0, MiB, 512)
-            ev.append(TraceEvent("alloc", addr, size))
+            ev.append(TraceEvent("alloc", addr, size(rng)))
             live.append(addr)
             addr += 1
     return ev
+
+
+def trace_kv_like(seed: int = 0) -> list[TraceEvent]:
+    sizes = [3 * MiB, 5 * MiB, 12 * MiB, 24 * MiB, 40 * MiB]
+    return _random_trace(600, 0.45, lambda rng: rng.choice(sizes) + rng.randrange(0, MiB, 512), seed)
 
 
 def trace_mixed(seed: int = 1) -> list[TraceEvent]:
-    rng = random.Random(seed)
-    ev, live, addr = [], [], 0
-    for _ in range(3000):
-        if live and rng.random() < 0.5:
-            a = live.pop(rng.randrange(len(live)))
-            ev.append(TraceEvent("free", a, 0))
-        else:
-            size = int(2 ** rng.uniform(9, 26))
-            ev.append(TraceEvent("alloc", addr, size))
-            live.append(addr)
-            addr += 1
-    return ev
+    return _random_trace(3000, 0.5, lambda rng: int(2 ** rng.uniform(9, 26)), seed)
 
 
 TRACES = {"order": trace_order, "kv_like": trace_kv_like, "mixed": trace_mixed}
