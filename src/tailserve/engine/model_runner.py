@@ -83,9 +83,7 @@ class ModelRunner:
 
     # -- the persistent batch ------------------------------------------------------------------
     def _apply(self, sched: SchedulerOutput) -> None:
-        for rid in sched.finished_ids:
-            self.requests.pop(rid, None)
-            self._generators.pop(rid, None)
+        self.free(sched.finished_ids)
         for rid in sched.preempted_ids:
             self.requests.pop(rid, None)  # resumed later with its full data
         for nr in sched.new_requests:
