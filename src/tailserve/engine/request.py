@@ -55,9 +55,6 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_cap: int = 0  # the most drafts the last proposal could make (its chain may stop sooner)
     num_draft_marked: int = 0  # leading blocks already flagged draft_filled in the pool
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

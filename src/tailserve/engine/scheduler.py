@@ -281,9 +281,6 @@ class Scheduler:
             # overwritten later; only accepted tokens count as computed (and get cached).
             req.num_computed_tokens += seq.num_tokens - (k - num_acc)
             if k:
-                req.spec_num_drafts += 1
-                req.spec_num_draft_tokens += k
-                req.spec_num_accepted_tokens += num_acc
                 self.spec_stats.observe(k, num_acc)
                 if spec is not None:
                     spec.observe_round(num_acc, k, req.spec_cap)
