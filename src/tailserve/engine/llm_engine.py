@@ -50,6 +50,7 @@ class LLMEngine:
         self.prometheus = PrometheusMetrics(self.model_name) if config.enable_metrics else None
         self.output_processor = OutputProcessor(self.tokenizer, self.prometheus)
         self.allocator_settings = worker.allocator_settings
+        self.dtype, self.dtype_reason = worker.dtype, worker.dtype_reason
         if self.prometheus is not None:
             a = self.allocator_settings
             self.prometheus.alloc_conf_info.labels(self.model_name, a.text or "default", a.source).set(1)

@@ -25,6 +25,7 @@ from tailserve.model.config import ModelArchConfig, load_arch_config, parse_dtyp
 from tailserve.model.linear import select_linear_method
 from tailserve.model.llama import LlamaFamilyModel
 from tailserve.model.loader import load_model
+from tailserve.platform_info import resolve_auto_dtype
 from tailserve.speculative.draft_step import make_draft_step
 from tailserve.speculative.numpy_draft import NUMPY_DRAFT_MAX_PARAMETERS
 from tailserve.speculative.proposer import DraftModelProposer, HybridProposer, NgramProposer
@@ -81,7 +82,10 @@ class Worker:
             raise ConfigError(f"max_model_len {max_len} exceeds the model's max_position_embeddings "
                               f"{arch.max_position_embeddings}")
         self.max_model_len = max_len
-        dtype = None if config.dtype == "auto" else parse_dtype(config.dtype)
+        if config.dtype == "auto":
+            dtype, self.dtype_reason = resolve_auto_dtype(arch.dtype, self.device)
+        else:
+            dtype, self.dtype_reason = parse_dtype(config.dtype), "--dtype"
         # Platform choices, made once: how linear layers multiply, which attention backend.
         self.linear_method = select_linear_method(self.device, config.cpu_onednn)
         self.model, self.arch = load_model(self.model_dir, dtype, self.device, max_positions=max_len,
