@@ -143,6 +143,12 @@ def test_attribution_blames_long_prompts_and_outputs():
     assert "long outputs" in res.verdict
 
 
+def test_attribution_does_not_advise_speculation_to_a_server_that_speculates():
+    res = attribute_tail(_synthetic(slow_phase="decode", factor=4.0), speculative=True)
+    assert res.dominant == "decode"
+    assert "enable speculative decoding" not in res.verdict and "with speculation on" in res.verdict
+
+
 def test_attribution_of_a_tight_tail():
     res = attribute_tail(_synthetic(slow_phase=None))
     assert "tail is tight" in res.verdict

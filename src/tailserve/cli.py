@@ -1,4 +1,5 @@
-"""The ``tailserve`` command line: ``generate``, ``serve``, ``memory simulate | recommend | analyze``.
+"""The ``tailserve`` command line: ``generate``, ``serve``, ``bench [compare]``, ``demo``,
+``memory simulate | recommend | analyze``.
 
 Flag names follow vLLM's where the concept is the same. User errors print one line on
 stderr and exit with status 2; nothing prints a traceback for a bad flag or a bad model.
@@ -189,6 +190,18 @@ def _cmd_memory_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from tailserve.bench.main import run_bench, run_compare
+
+    return run_compare(args) if getattr(args, "bench_command", None) == "compare" else run_bench(args)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from tailserve.bench.demo import run_demo
+
+    return run_demo(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tailserve", description="LLM inference engine and performance toolkit")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -222,6 +235,24 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--access-log", action="store_true")
     _add_engine_args(srv)
     srv.set_defaults(func=_cmd_serve)
+
+    from tailserve.bench.main import add_bench_args, add_compare_args
+
+    bench = sub.add_parser("bench", help="load-test any OpenAI-compatible server and say where each request's "
+                                         "time went (no --url: starts tailserve serve itself)")
+    add_bench_args(bench)
+    bench_sub = bench.add_subparsers(dest="bench_command", required=False)
+    cmp_ = bench_sub.add_parser("compare", help="compare two result JSONs, flagging differences inside noise")
+    add_compare_args(cmp_)
+    bench.set_defaults(func=_cmd_bench)
+
+    demo = sub.add_parser("demo", help="the built-in pair served three ways (baseline, speculative decoding, "
+                                       "prefix caching) under the same load: one table and an HTML report")
+    demo.add_argument("--report-dir", default="tailserve-demo", help="where report.html and the plots go")
+    demo.add_argument("--num-prompts", type=int, default=None, help="requests per configuration")
+    demo.add_argument("--request-rate", type=float, default=None, help="requests/s")
+    demo.add_argument("--quick", action="store_true", help="a smaller load (for a smoke test)")
+    demo.set_defaults(func=_cmd_demo)
 
     mem = sub.add_parser("memory", help="PyTorch CUDA caching-allocator tools")
     mem_sub = mem.add_subparsers(dest="memory_command", required=True)

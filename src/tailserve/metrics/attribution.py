@@ -51,7 +51,8 @@ def phase_times(m: RequestMetrics) -> dict[str, float]:
             "decode": m.decode_s - preempted}
 
 
-def attribute_tail(metrics: Sequence[RequestMetrics]) -> TailAttribution:
+def attribute_tail(metrics: Sequence[RequestMetrics], speculative: bool = False) -> TailAttribution:
+    """``speculative``: the server already decodes speculatively (the advice changes)."""
     if not metrics:
         raise ValueError("attribute_tail needs at least one request")
     phases = [phase_times(m) for m in metrics]
@@ -74,11 +75,13 @@ def attribute_tail(metrics: Sequence[RequestMetrics]) -> TailAttribution:
 
     verdict = _verdict(ratio, dominant, share[dominant],
                        prompt_ratio=avg(tail, "num_prompt_tokens") / max(avg(mid, "num_prompt_tokens"), 1.0),
-                       output_ratio=avg(tail, "num_output_tokens") / max(avg(mid, "num_output_tokens"), 1.0))
+                       output_ratio=avg(tail, "num_output_tokens") / max(avg(mid, "num_output_tokens"), 1.0),
+                       speculative=speculative)
     return TailAttribution(float(p50), float(p99), ratio, len(tail), len(mid), excess, share, dominant, verdict)
 
 
-def _verdict(ratio: float, dominant: str, share: float, prompt_ratio: float, output_ratio: float) -> str:
+def _verdict(ratio: float, dominant: str, share: float, prompt_ratio: float, output_ratio: float,
+             speculative: bool = False) -> str:
     head = f"P99 end-to-end is {ratio:.1f}x the median"
     if ratio < TIGHT_TAIL_RATIO:
         return f"{head}: the tail is tight; the largest difference is in {dominant} ({share:.0%})."
@@ -94,7 +97,10 @@ def _verdict(ratio: float, dominant: str, share: float, prompt_ratio: float, out
     elif dominant == "decode":
         if output_ratio >= LONGER_INPUT_RATIO:
             cause = (f"decode of long outputs (tail requests generate {output_ratio:.1f}x more tokens): cap "
-                     "max_tokens, or enable speculative decoding")
+                     + ("max_tokens" if speculative else "max_tokens, or enable speculative decoding"))
+        elif speculative:
+            cause = ("decode (slow per token, not longer outputs) with speculation on: tail requests accept "
+                     "fewer drafts or share bigger batches; lower --max-num-seqs or --speculative-max-tokens")
         else:
             cause = ("decode (slow per token, not longer outputs): enable speculative decoding, or lower "
                      "--max-num-seqs to shrink the decode batch")

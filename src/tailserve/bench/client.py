@@ -1,0 +1,350 @@
+"""One streamed request to an OpenAI-compatible server, timed on the client's side.
+
+Stamps (``time.perf_counter``, seconds since the run's start):
+
+- ``intended_s``: when the arrival process meant the request to leave;
+- ``dispatch_s``: when the sender woke up to send it;
+- ``slot_s``: when it got a concurrency slot (``--max-concurrency`` only);
+- ``send_s``: when httpcore started writing the request headers on a connection (its
+  ``trace`` extension), so connection set-up and pool waits are not hidden;
+- one stamp per content event, taken when the socket read that completed the event
+  returned (``aiter_raw``), before any JSON parsing;
+- ``end_s``: when the stream's ``[DONE]`` (or its end) was read.
+
+Waking late plus ``send_s - slot_s`` is the client's own lag: when it grows, the client is saturated and
+would otherwise inflate the server's latency silently, so it is reported.
+
+The server's own account of the request is taken from the final chunk: tailserve's
+``timing`` (queue, prefill, decode, end-to-end) or llama.cpp's ``timings`` (prompt and
+predicted milliseconds). Servers that send neither leave the request unattributable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from tailserve.model.tokenizer import Tokenizer
+
+ERROR_KINDS = ("http_4xx", "http_5xx", "timeout", "connect", "disconnect", "malformed_stream", "server_error")
+
+
+@dataclass
+class ServerTiming:
+    """The server's phases for one request, in seconds (what it could see of the request)."""
+
+    queue_s: float
+    prefill_s: float
+    decode_s: float
+    e2e_s: float
+    ttft_s: float
+    source: str  # "tailserve" | "llama.cpp" | "server-timing"
+    preemptions: int = 0
+    cached_tokens: int | None = None
+
+    @classmethod
+    def from_body(cls, obj: dict[str, Any]) -> ServerTiming | None:
+        t = obj.get("timing")
+        if isinstance(t, dict) and all(isinstance(t.get(k), (int, float)) for k in ("queue_ms", "prefill_ms",
+                                                                                    "decode_ms", "e2e_ms")):
+            return cls(t["queue_ms"] / 1e3, t["prefill_ms"] / 1e3, t["decode_ms"] / 1e3, t["e2e_ms"] / 1e3,
+                       t.get("ttft_ms", t["queue_ms"] + t["prefill_ms"]) / 1e3, "tailserve",
+                       int(t.get("preemptions") or 0), t.get("cached_tokens"))
+        t = obj.get("timings")  # llama.cpp's server
+        if isinstance(t, dict) and isinstance(t.get("prompt_ms"), (int, float)) and isinstance(
+                t.get("predicted_ms"), (int, float)):
+            p, d = t["prompt_ms"] / 1e3, t["predicted_ms"] / 1e3
+            return cls(0.0, p, d, p + d, p, "llama.cpp", 0, t.get("cache_n"))
+        return None
+
+    @classmethod
+    def from_header(cls, value: str | None) -> ServerTiming | None:
+        """``Server-Timing: queue;dur=1.2, prefill;dur=3.4, ...`` (milliseconds, W3C format)."""
+        if not value:
+            return None
+        durs: dict[str, float] = {}
+        for part in value.split(","):
+            name, _, rest = part.strip().partition(";")
+            for attr in rest.split(";"):
+                k, _, v = attr.strip().partition("=")
+                if k == "dur":
+                    with contextlib.suppress(ValueError):  # a malformed entry is skipped, as browsers do
+                        durs[name.strip()] = float(v) / 1e3
+        if not {"queue", "prefill", "decode"} <= durs.keys():
+            return None
+        q, p, d = durs["queue"], durs["prefill"], durs["decode"]
+        return cls(q, p, d, durs.get("e2e", q + p + d), durs.get("ttft", q + p), "server-timing")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"queue_ms": self.queue_s * 1e3, "prefill_ms": self.prefill_s * 1e3, "decode_ms": self.decode_s * 1e3,
+                "e2e_ms": self.e2e_s * 1e3, "ttft_ms": self.ttft_s * 1e3, "source": self.source,
+                "preemptions": self.preemptions, "cached_tokens": self.cached_tokens}
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    request_id: str
+    prompt_len: int
+    max_tokens: int
+    intended_s: float
+    warmup: bool = False
+    conversation: int | None = None
+    turn: int = 0
+    dispatch_s: float | None = None  # when the sender woke to send it
+    slot_s: float | None = None  # when it got a concurrency slot (None: no cap)
+    send_s: float | None = None
+    headers_s: float | None = None
+    chunk_s: list[float] = field(default_factory=list)
+    end_s: float | None = None
+    status: int | None = None
+    text: str = ""
+    output_tokens: int = 0
+    output_tokens_source: str = "none"  # usage | tokenizer | chunks
+    server_prompt_tokens: int | None = None
+    server: ServerTiming | None = None
+    error_kind: str | None = None
+    error: str = ""
+
+    @property
+    def success(self) -> bool:
+        return self.error_kind is None and self.end_s is not None
+
+    @property
+    def start_s(self) -> float:
+        if self.send_s is not None:
+            return self.send_s
+        return self.slot_s if self.slot_s is not None else self.intended_s
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.chunk_s[0] - self.start_s if self.chunk_s else None
+
+    @property
+    def ttst_s(self) -> float | None:
+        """Time to the second content event (the second token, or later tokens with it)."""
+        return self.chunk_s[1] - self.start_s if len(self.chunk_s) > 1 else None
+
+    @property
+    def e2el_s(self) -> float | None:
+        return self.end_s - self.start_s if self.end_s is not None else None
+
+    @property
+    def itl_s(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunk_s, self.chunk_s[1:])]
+
+    @property
+    def tpot_s(self) -> float | None:
+        if not self.chunk_s or self.output_tokens < 2 or self.end_s is None:
+            return None
+        # As vllm bench serve: (E2EL - TTFT) / (N - 1).
+        return (self.end_s - self.chunk_s[0]) / (self.output_tokens - 1)
+
+    @property
+    def send_lag_s(self) -> float | None:
+        """The client's own delay: waking late for the send, plus the time from getting a slot
+        to the headers going out (connection set-up included). Slot waits are not lag."""
+        if self.send_s is None:
+            return None
+        woke = self.dispatch_s if self.dispatch_s is not None else self.intended_s
+        ready = self.slot_s if self.slot_s is not None else woke
+        return max(0.0, woke - self.intended_s) + max(0.0, self.send_s - ready)
+
+    @property
+    def client_queue_s(self) -> float:
+        """Time waiting for a concurrency slot (``--max-concurrency``: by design, not lag)."""
+        if self.slot_s is None:
+            return 0.0
+        woke = self.dispatch_s if self.dispatch_s is not None else self.intended_s
+        return max(0.0, self.slot_s - woke)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index, "request_id": self.request_id, "warmup": self.warmup,
+            "conversation": self.conversation, "turn": self.turn, "prompt_len": self.prompt_len,
+            "server_prompt_tokens": self.server_prompt_tokens, "max_tokens": self.max_tokens,
+            "output_tokens": self.output_tokens, "output_tokens_source": self.output_tokens_source,
+            "intended_s": self.intended_s, "slot_s": self.slot_s, "send_s": self.send_s, "headers_s": self.headers_s,
+            "end_s": self.end_s, "ttft_ms": _ms(self.ttft_s), "ttst_ms": _ms(self.ttst_s), "tpot_ms": _ms(self.tpot_s),
+            "e2el_ms": _ms(self.e2el_s), "send_lag_ms": _ms(self.send_lag_s),
+            "client_queue_ms": self.client_queue_s * 1e3, "num_chunks": len(self.chunk_s),
+            "itl_ms": [x * 1e3 for x in self.itl_s], "status": self.status, "error_kind": self.error_kind,
+            "error": self.error, "server_timing": self.server.as_dict() if self.server else None,
+        }
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else x * 1e3
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """What to send: built by the load runner from a dataset entry."""
+
+    url: str  # full endpoint URL
+    chat: bool
+    model: str
+    prompt: str
+    messages: list[dict[str, str]] | None
+    max_tokens: int
+    ignore_eos: bool
+    temperature: float
+    top_p: float
+    extra_body: dict[str, Any]
+    headers: dict[str, str]
+    keep_alive: bool = True
+
+    def body(self) -> dict[str, Any]:
+        b: dict[str, Any] = {"model": self.model, "max_tokens": self.max_tokens, "stream": True,
+                             "stream_options": {"include_usage": True}, "temperature": self.temperature,
+                             "top_p": self.top_p}
+        if self.ignore_eos:
+            b["ignore_eos"] = True
+        if self.chat:
+            b["messages"] = self.messages or [{"role": "user", "content": self.prompt}]
+        else:
+            b["prompt"] = self.prompt
+        b.update(self.extra_body)
+        return b
+
+
+def _now(t0: float) -> float:
+    return time.perf_counter() - t0
+
+
+async def send_request(client: httpx.AsyncClient, spec: RequestSpec, rec: RequestRecord, t0: float,
+                       tokenizer: Tokenizer | None) -> RequestRecord:
+    """Send one streaming request and fill ``rec`` in; never raises for a failed request."""
+    headers = {"X-Request-Id": rec.request_id, **spec.headers}
+    if not spec.keep_alive:
+        headers["Connection"] = "close"
+
+    async def trace(event: str, info: dict) -> None:
+        if event.endswith("send_request_headers.started") and rec.send_s is None:
+            rec.send_s = _now(t0)
+
+    usage_tokens: int | None = None
+    done = False
+    try:
+        async with client.stream("POST", spec.url, json=spec.body(), headers=headers,
+                                 extensions={"trace": trace}) as resp:
+            rec.headers_s = _now(t0)
+            rec.status = resp.status_code
+            if rec.send_s is None:  # a transport without trace events
+                rec.send_s = rec.headers_s
+            if resp.status_code >= 400:
+                body = (await resp.aread()).decode("utf-8", "replace")
+                rec.error_kind = "http_4xx" if resp.status_code < 500 else "http_5xx"
+                rec.error = f"HTTP {resp.status_code}: {_error_message(body)}"
+                rec.end_s = _now(t0)
+                return rec
+            header_timing = ServerTiming.from_header(resp.headers.get("server-timing"))
+            buf = b""
+            pieces: list[str] = []
+            async for raw in resp.aiter_raw():
+                stamp = _now(t0)
+                buf += raw
+                while b"\n\n" in buf or b"\r\n\r\n" in buf:
+                    event, buf = _split_event(buf)
+                    data = _event_data(event)
+                    if data is None:
+                        continue
+                    if data == "[DONE]":
+                        done = True
+                        continue
+                    try:
+                        obj = json.loads(data)
+                    except json.JSONDecodeError:
+                        rec.error_kind, rec.error = "malformed_stream", f"event is not JSON: {data[:80]!r}"
+                        return rec
+                    if not isinstance(obj, dict):
+                        rec.error_kind, rec.error = "malformed_stream", f"event is not an object: {data[:80]!r}"
+                        return rec
+                    if "error" in obj:
+                        err = obj["error"]
+                        rec.error_kind = "server_error"
+                        rec.error = str(err.get("message", err) if isinstance(err, dict) else err)
+                        continue
+                    piece = _content(obj, spec.chat)
+                    if piece:
+                        rec.chunk_s.append(stamp)
+                        pieces.append(piece)
+                    timing = ServerTiming.from_body(obj)
+                    if timing is not None:
+                        rec.server = timing
+                    usage = obj.get("usage")
+                    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+                        usage_tokens = usage["completion_tokens"]
+                        if isinstance(usage.get("prompt_tokens"), int):
+                            rec.server_prompt_tokens = usage["prompt_tokens"]
+            rec.end_s = _now(t0)
+            rec.text = "".join(pieces)
+            if rec.server is None:
+                rec.server = header_timing
+    except httpx.TimeoutException as e:
+        rec.error_kind, rec.error = "timeout", f"{type(e).__name__}: {e}"
+    except httpx.ConnectError as e:
+        rec.error_kind, rec.error = "connect", f"{type(e).__name__}: {e}"
+    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
+        rec.error_kind, rec.error = "disconnect", f"{type(e).__name__}: {e}"
+    except httpx.HTTPError as e:
+        rec.error_kind, rec.error = "disconnect", f"{type(e).__name__}: {e}"
+    if rec.error_kind is None and not done:
+        rec.error_kind, rec.error = "malformed_stream", "the stream ended without 'data: [DONE]'"
+    if rec.error_kind is None and not rec.chunk_s and rec.max_tokens > 0 and usage_tokens != 0:
+        rec.error_kind, rec.error = "malformed_stream", "the stream carried no content"
+    if usage_tokens is not None:
+        rec.output_tokens, rec.output_tokens_source = usage_tokens, "usage"
+    elif tokenizer is not None and rec.text:
+        rec.output_tokens, rec.output_tokens_source = len(tokenizer.encode(rec.text, add_special_tokens=False)), \
+            "tokenizer"
+    else:
+        rec.output_tokens, rec.output_tokens_source = len(rec.chunk_s), "chunks"
+    return rec
+
+
+def _split_event(buf: bytes) -> tuple[bytes, bytes]:
+    i, j = buf.find(b"\n\n"), buf.find(b"\r\n\r\n")
+    if j != -1 and (i == -1 or j < i):
+        return buf[:j], buf[j + 4:]
+    return buf[:i], buf[i + 2:]
+
+
+def _event_data(event: bytes) -> str | None:
+    lines = [ln[5:].lstrip() for ln in event.decode("utf-8", "replace").splitlines() if ln.startswith("data:")]
+    return "\n".join(lines) if lines else None
+
+
+def _content(obj: dict[str, Any], chat: bool) -> str:
+    choices = obj.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return ""
+    c = choices[0]
+    if chat:
+        delta = c.get("delta")
+        if isinstance(delta, dict):
+            return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+        return ""
+    text = c.get("text")
+    return text if isinstance(text, str) else ""
+
+
+def _error_message(body: str) -> str:
+    try:
+        obj = json.loads(body)
+        err = obj.get("error", obj) if isinstance(obj, dict) else obj
+        if isinstance(err, dict):
+            return str(err.get("message", err))[:300]
+        return str(err)[:300]
+    except json.JSONDecodeError:
+        return body[:300]
+
+
+def new_request_id() -> str:
+    return f"bench-{uuid.uuid4().hex}"

@@ -1,0 +1,192 @@
+"""Drive one load level against a server: arrivals, the concurrency cap, warm-up, multi-turn
+chains, and the server's counters around it. Returns every request's record."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from tailserve.bench.arrivals import arrival_offsets
+from tailserve.bench.client import RequestRecord, RequestSpec, new_request_id, send_request
+from tailserve.bench.datasets import BenchRequest
+from tailserve.bench.server_metrics import MetricsWatcher, ServerCounters
+from tailserve.errors import ConfigError
+from tailserve.model.tokenizer import Tokenizer
+
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    base_url: str  # http://host:port (no /v1)
+    endpoint: str = "/v1/completions"
+    model: str | None = None  # None: the first model the server lists
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    num_warmups: int = 0
+    ramp: tuple[float, float] | None = None  # linear ramp-up: (start, end) requests/s
+    duration_s: float | None = None  # stop sending after this long (requests prepared in advance)
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    top_p: float = 1.0
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)
+    http2: bool = False
+    keep_alive: bool = True
+    timeout_s: float = 600.0
+    seed: int = 0
+    metrics_interval_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.endpoint not in ENDPOINTS:
+            raise ConfigError(f"--endpoint must be one of {', '.join(ENDPOINTS)}")
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ConfigError(f"--url must start with http:// or https:// (got {self.base_url!r})")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ConfigError("--max-concurrency must be at least 1")
+        if self.num_warmups < 0:
+            raise ConfigError("--num-warmups must not be negative")
+        if self.duration_s is not None and self.duration_s <= 0:
+            raise ConfigError("--duration must be positive")
+        if self.timeout_s <= 0:
+            raise ConfigError("--timeout must be positive")
+
+    @property
+    def chat(self) -> bool:
+        return self.endpoint == "/v1/chat/completions"
+
+
+@dataclass
+class LoadRun:
+    config: LoadConfig
+    model: str
+    records: list[RequestRecord]  # measured requests only (warm-ups excluded)
+    duration_s: float
+    counters: ServerCounters
+    num_warmups: int
+
+
+def make_client(cfg: LoadConfig, max_connections: int | None = None) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=None if cfg.keep_alive else 0,
+                          keepalive_expiry=60.0 if cfg.keep_alive else 0.0)
+    timeout = httpx.Timeout(cfg.timeout_s, connect=min(cfg.timeout_s, 30.0))
+    # http2 with http1 off = h2c with prior knowledge on http:// URLs (TLS+ALPN on https://).
+    return httpx.AsyncClient(http1=not cfg.http2, http2=cfg.http2, limits=limits, timeout=timeout)
+
+
+async def first_model(client: httpx.AsyncClient, base_url: str, headers: dict[str, str]) -> str:
+    try:
+        r = await client.get(base_url + "/v1/models", headers=headers, timeout=30.0)
+    except httpx.HTTPError as e:
+        raise ConfigError(f"cannot reach {base_url}/v1/models: {type(e).__name__}: {e}") from None
+    if r.status_code != 200:
+        raise ConfigError(f"{base_url}/v1/models answered HTTP {r.status_code}; pass --model")
+    try:
+        return str(r.json()["data"][0]["id"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ConfigError(f"{base_url}/v1/models listed no model; pass --model") from None
+
+
+def _spec(cfg: LoadConfig, model: str, req: BenchRequest, messages: list[dict[str, str]] | None,
+          prompt: str) -> RequestSpec:
+    return RequestSpec(url=cfg.base_url + cfg.endpoint, chat=cfg.chat, model=model, prompt=prompt,
+                       messages=messages, max_tokens=req.output_len, ignore_eos=cfg.ignore_eos,
+                       temperature=cfg.temperature, top_p=cfg.top_p, extra_body=cfg.extra_body,
+                       headers=cfg.headers, keep_alive=cfg.keep_alive)
+
+
+def _history_prompt(messages: list[dict[str, str]]) -> str:
+    """Multi-turn history as plain text, for the completions endpoint."""
+    return "".join(f"### {m['role'].capitalize()}\n{m['content']}\n\n" for m in messages) + "### Assistant\n"
+
+
+async def run_load(cfg: LoadConfig, requests: list[BenchRequest], tokenizer: Tokenizer | None = None,
+                   on_done: Callable[[RequestRecord], None] | None = None) -> LoadRun:
+    """Run one load level. ``requests``' own ``arrival_s`` (trace replay) wins over the rate."""
+    if not requests:
+        raise ConfigError("no requests to send")
+    client = make_client(cfg)
+    try:
+        model = cfg.model or await first_model(client, cfg.base_url, cfg.headers)
+        if cfg.num_warmups:
+            warm = [requests[i % len(requests)] for i in range(cfg.num_warmups)]
+            t_w = time.perf_counter()
+            await asyncio.gather(*[_one(client, cfg, model, r, RequestRecord(
+                i, new_request_id(), r.prompt_len, r.output_len, 0.0, warmup=True), t_w, tokenizer, None)
+                for i, r in enumerate(warm)])
+        traced = all(r.arrival_s is not None for r in requests)
+        if traced:
+            offsets = [float(r.arrival_s) for r in requests]  # type: ignore[arg-type]
+        else:
+            offsets = arrival_offsets(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed, cfg.ramp)
+        watcher = MetricsWatcher(client, cfg.base_url, cfg.metrics_interval_s)
+        await watcher.start()
+        sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+        records: list[RequestRecord] = []
+        t0 = time.perf_counter()
+        tasks = []
+        for i, (req, off) in enumerate(zip(requests, offsets)):
+            if cfg.duration_s is not None and off > cfg.duration_s:
+                break
+            delay = off - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            rec = RequestRecord(i, new_request_id(), req.prompt_len, req.output_len, off,
+                                conversation=req.conversation, turn=0, dispatch_s=time.perf_counter() - t0)
+            tasks.append(asyncio.ensure_future(
+                _conversation(client, cfg, model, req, rec, t0, tokenizer, sem, records, on_done)))
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+        counters = await watcher.stop()
+    finally:
+        await client.aclose()
+    records.sort(key=lambda r: (r.intended_s, r.index, r.turn))
+    return LoadRun(cfg, model, records, duration, counters, cfg.num_warmups)
+
+
+async def _one(client: httpx.AsyncClient, cfg: LoadConfig, model: str, req: BenchRequest, rec: RequestRecord,
+               t0: float, tokenizer: Tokenizer | None, sem: asyncio.Semaphore | None,
+               messages: list[dict[str, str]] | None = None, prompt: str | None = None) -> RequestRecord:
+    if messages is None and req.messages is not None:
+        messages = list(req.messages)
+    spec = _spec(cfg, model, req, messages if cfg.chat else None, prompt if prompt is not None else req.prompt)
+    if rec.dispatch_s is None:
+        rec.dispatch_s = time.perf_counter() - t0
+    if sem is None:
+        return await send_request(client, spec, rec, t0, tokenizer)
+    async with sem:
+        rec.slot_s = time.perf_counter() - t0
+        return await send_request(client, spec, rec, t0, tokenizer)
+
+
+async def _conversation(client: httpx.AsyncClient, cfg: LoadConfig, model: str, req: BenchRequest,
+                        rec: RequestRecord, t0: float, tokenizer: Tokenizer | None, sem: asyncio.Semaphore | None,
+                        records: list[RequestRecord], on_done: Callable[[RequestRecord], None] | None) -> None:
+    """A single request, or a multi-turn chain: each follow-up is sent when the previous
+    answer is in, with the history (including that answer) in front of it."""
+    messages = list(req.messages) if req.messages is not None else None
+    prompt = _history_prompt(messages) if (messages is not None and not cfg.chat) else req.prompt
+    r = await _one(client, cfg, model, req, rec, t0, tokenizer, sem, messages, prompt)
+    records.append(r)
+    if on_done:
+        on_done(r)
+    for turn, follow in enumerate(req.follow_ups, start=1):
+        if not r.success or messages is None:
+            return  # a failed turn ends its conversation (its record says why)
+        messages = [*messages, {"role": "assistant", "content": r.text}, {"role": "user", "content": follow}]
+        prompt = _history_prompt(messages)
+        n_in = len(tokenizer.encode(prompt)) if tokenizer is not None else 0
+        now = time.perf_counter() - t0
+        nxt = RequestRecord(r.index, new_request_id(), n_in, req.output_len, now, conversation=req.conversation,
+                            turn=turn)
+        r = await _one(client, cfg, model, req, nxt, t0, tokenizer, sem, messages, prompt)
+        records.append(r)
+        if on_done:
+            on_done(r)

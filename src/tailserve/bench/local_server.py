@@ -1,0 +1,75 @@
+"""Start ``tailserve serve`` in a child process for a bench run, and stop it afterwards."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+import httpx
+
+from tailserve.errors import ConfigError
+
+DEFAULT_SERVER_ARGS = "--speculative-model builtin"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalServer:
+    """``with LocalServer(["--speculative-model", "builtin"]) as srv: srv.url``"""
+
+    def __init__(self, args: Sequence[str] = (), startup_timeout_s: float = 180.0) -> None:
+        self.args = list(args)
+        self.port, self.h2_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.url_h2 = f"http://127.0.0.1:{self.h2_port}"
+        self.startup_timeout_s = startup_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in __exit__, read on a failed start
+
+    @classmethod
+    def from_string(cls, args: str) -> LocalServer:
+        return cls(shlex.split(args))
+
+    def __enter__(self) -> LocalServer:
+        cmd = [sys.executable, "-m", "tailserve", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+               "--http2-port", str(self.h2_port), *self.args]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ConfigError(f"tailserve serve {' '.join(self.args)} exited during start-up: "
+                                  f"{self._tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.__exit__(None, None, None)
+        raise ConfigError(f"tailserve serve did not answer /health within {self.startup_timeout_s:.0f} s")
+
+    def _tail(self) -> str:
+        self._log.seek(0)
+        lines = self._log.read().decode("utf-8", "replace").strip().splitlines()
+        return lines[-1] if lines else "(no output)"
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()

@@ -1,0 +1,237 @@
+"""A run's figures: the result dict (keys and units as ``vllm bench serve`` writes them, so
+scripts written for its JSON read ours), plus the client/server join and what only
+tailserve reports.
+
+Definitions (client side, per successful request; times from when its headers were sent):
+TTFT = first content event; TTST = second content event; E2EL = end of stream;
+TPOT = (E2EL - TTFT) / (output tokens - 1); ITL = gaps between content events. Output
+tokens come from the server's ``usage`` (or the tokenizer, or the event count). Metric
+lists in the dict (``ttfts``, ``itls``) are in seconds; ``*_ms`` keys in milliseconds.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from tailserve.bench.client import ERROR_KINDS, RequestRecord
+from tailserve.bench.load import LoadRun
+from tailserve.errors import ConfigError
+from tailserve.metrics.attribution import attribute_tail, phase_times
+from tailserve.metrics.timeline import RequestMetrics
+
+METRICS = ("ttft", "ttst", "tpot", "itl", "e2el")
+DEFAULT_PERCENTILE_METRICS = "ttft,ttst,tpot,itl,e2el"
+DEFAULT_METRIC_PERCENTILES = "50,90,95,99,99.9"
+GOODPUT_KEYS = ("ttft", "tpot", "e2el", "ttst")
+SATURATED_SEND_LAG_S = 0.010  # a client whose P99 send lag exceeds this is part of the measurement
+NOT_ATTRIBUTABLE = "not attributable: the server reports no per-request timings"
+
+
+def parse_percentiles(text: str) -> list[float]:
+    try:
+        ps = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--metric-percentiles: expected numbers like 50,99,99.9, got {text!r}") from None
+    if not ps or any(not 0 < p <= 100 for p in ps):
+        raise ConfigError("--metric-percentiles: each must be in (0, 100]")
+    return ps
+
+
+def parse_metric_names(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [n for n in names if n not in METRICS]
+    if bad or not names:
+        raise ConfigError(f"--percentile-metrics: unknown {', '.join(bad) or 'empty list'}; choose from "
+                          f"{', '.join(METRICS)}")
+    return names
+
+
+def parse_goodput(items: Sequence[str] | None) -> dict[str, float]:
+    """``--goodput ttft:500 tpot:50`` (milliseconds), as vllm bench serve."""
+    out: dict[str, float] = {}
+    for item in items or ():
+        key, sep, val = item.partition(":")
+        if not sep or key not in GOODPUT_KEYS:
+            raise ConfigError(f"--goodput: expected KEY:MS with KEY in {', '.join(GOODPUT_KEYS)}, got {item!r}")
+        try:
+            out[key] = float(val)
+        except ValueError:
+            raise ConfigError(f"--goodput: {item!r}: the bound must be a number of milliseconds") from None
+        if out[key] <= 0:
+            raise ConfigError(f"--goodput: {item!r}: the bound must be positive")
+    return out
+
+
+def p_word(p: float) -> str:
+    return str(int(p)) if int(p) == p else str(p)
+
+
+def _stats(values_s: Sequence[float], ps: Sequence[float]) -> dict[str, float]:
+    arr = np.asarray(values_s, dtype=np.float64) * 1e3
+    if arr.size == 0:
+        arr = np.zeros(1)  # vLLM reports zeros for an empty metric; so do we
+    d = {"mean": float(arr.mean()), "median": float(np.median(arr)), "std": float(arr.std())}
+    for p in ps:
+        d[f"p{p_word(p)}"] = float(np.percentile(arr, p))
+    return d
+
+
+def metric_values(records: Sequence[RequestRecord], metric: str) -> list[float]:
+    ok = [r for r in records if r.success]
+    if metric == "itl":
+        return [x for r in ok for x in r.itl_s]
+    vals = [getattr(r, f"{metric}_s") for r in ok]
+    return [v for v in vals if v is not None]
+
+
+def _good(r: RequestRecord, slo: dict[str, float]) -> bool:
+    for key, bound_ms in slo.items():
+        v = getattr(r, f"{key}_s")
+        if key == "tpot" and v is None:
+            continue  # a one-token answer has no TPOT; it cannot miss that bound
+        if v is None or v * 1e3 > bound_ms:
+            return False
+    return True
+
+
+def _peak_throughput(records: Sequence[RequestRecord]) -> tuple[float, int]:
+    """Highest output tokens in any one-second window, and the requests in flight then.
+    A request's tokens are spread evenly over its content events."""
+    ok = [r for r in records if r.success and r.chunk_s]
+    if not ok:
+        return 0.0, 0
+    end = max(r.chunk_s[-1] for r in ok)
+    buckets = np.zeros(int(end) + 1)
+    for r in ok:
+        per = r.output_tokens / len(r.chunk_s)
+        for t in r.chunk_s:
+            buckets[int(t)] += per
+    peak = int(np.argmax(buckets))
+    live = sum(1 for r in ok if r.start_s < peak + 1 and (r.end_s or 0) >= peak)
+    return float(buckets[peak]), live
+
+
+def join_server_timings(records: Sequence[RequestRecord]) -> list[RequestMetrics]:
+    """One ``RequestMetrics`` per successful request that the server timed, with the
+    client's TTFT and E2EL beside the server's phases (joined by the request's own record,
+    which carries the server's answer for its ``X-Request-Id``)."""
+    out = []
+    for r in records:
+        if not r.success or r.server is None or r.ttft_s is None:
+            continue
+        s = r.server
+        out.append(RequestMetrics(
+            request_id=r.request_id, num_prompt_tokens=r.server_prompt_tokens or r.prompt_len,
+            num_cached_tokens=s.cached_tokens or 0, num_output_tokens=r.output_tokens, queue_s=s.queue_s,
+            prefill_s=s.prefill_s, ttft_s=s.ttft_s, decode_s=s.decode_s, e2el_s=s.e2e_s, tpot_s=r.tpot_s, itl_s=(),
+            num_preemptions=s.preemptions, preempted_s=0.0, client_ttft_s=r.ttft_s, client_e2el_s=r.e2el_s))
+    return out
+
+
+def attribution(records: Sequence[RequestRecord], send_lag_p99_s: float | None,
+                speculative: bool = False) -> dict[str, Any]:
+    ok = [r for r in records if r.success]
+    joined = join_server_timings(records)
+    if not joined:
+        return {"attributable": False, "verdict": NOT_ATTRIBUTABLE, "num_joined": 0, "num_successful": len(ok)}
+    tail = attribute_tail(joined, speculative=speculative)
+    verdict = tail.verdict
+    if tail.dominant == "network" and send_lag_p99_s is not None and send_lag_p99_s > SATURATED_SEND_LAG_S:
+        verdict += (f" The client itself lagged (P99 send lag {send_lag_p99_s * 1e3:.1f} ms): part of this is the "
+                    "load generator; run it on more cores or at a lower rate.")
+    coverage = "" if len(joined) == len(ok) else f" (server timings for {len(joined)} of {len(ok)} requests)"
+    phases = [phase_times(m) for m in joined]
+    net_ttft = [max(0.0, m.client_ttft_s - m.ttft_s) for m in joined if m.client_ttft_s is not None]
+    return {
+        "attributable": True, "verdict": verdict + coverage, "num_joined": len(joined), "num_successful": len(ok),
+        "source": next(r.server.source for r in records if r.server is not None),
+        "p50_e2el_ms": tail.p50_s * 1e3, "p99_e2el_ms": tail.p99_s * 1e3, "p99_over_p50": tail.ratio,
+        "dominant": tail.dominant, "share": tail.share, "excess_ms": {k: v * 1e3 for k, v in tail.excess_s.items()},
+        "tail_count": tail.tail_count, "median_count": tail.median_count,
+        "median_phase_ms": {k: float(np.median([p[k] for p in phases])) * 1e3 for k in phases[0]},
+        "p99_network_ttft_ms": float(np.percentile(net_ttft, 99)) * 1e3 if net_ttft else None,
+        "median_network_ttft_ms": float(np.median(net_ttft)) * 1e3 if net_ttft else None,
+    }
+
+
+def per_request_phases(records: Sequence[RequestRecord]) -> list[dict[str, float] | None]:
+    out: list[dict[str, float] | None] = []
+    joined = {m.request_id: m for m in join_server_timings(records)}
+    for r in records:
+        m = joined.get(r.request_id)
+        out.append({k: v * 1e3 for k, v in phase_times(m).items()} if m else None)
+    return out
+
+
+def build_result(run: LoadRun, percentile_metrics: Sequence[str], percentiles: Sequence[float],
+                 goodput: dict[str, float] | None = None, label: str | None = None,
+                 tokenizer_id: str | None = None, dataset_name: str | None = None) -> dict[str, Any]:
+    records = run.records
+    ok = [r for r in records if r.success]
+    dur = run.duration_s
+    total_in = sum((r.server_prompt_tokens or r.prompt_len) for r in ok)
+    total_out = sum(r.output_tokens for r in ok)
+    cfg = run.config
+    endpoint_type = "openai-chat" if cfg.chat else "openai"
+    peak_tps, peak_conc = _peak_throughput(records)
+    errors_by_kind = {k: 0 for k in ERROR_KINDS}
+    for r in records:
+        if r.error_kind:
+            errors_by_kind[r.error_kind] = errors_by_kind.get(r.error_kind, 0) + 1
+    lags = [r.send_lag_s for r in records if r.send_lag_s is not None]
+    lag_p99 = float(np.percentile(lags, 99)) if lags else None
+    good = sum(1 for r in ok if _good(r, goodput)) if goodput else None
+    result: dict[str, Any] = {
+        "date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "endpoint_type": endpoint_type, "backend": endpoint_type, "label": label or endpoint_type,
+        "model_id": run.model, "tokenizer_id": tokenizer_id, "dataset_name": dataset_name,
+        "num_prompts": len({(r.index, r.turn) for r in records}),
+        "request_rate": cfg.request_rate if not math.isinf(cfg.request_rate) else "inf",
+        "burstiness": cfg.burstiness, "max_concurrency": cfg.max_concurrency,
+        "duration": dur, "completed": len(ok), "failed": len(records) - len(ok),
+        "total_input_tokens": total_in, "total_output_tokens": total_out,
+        "request_throughput": len(ok) / dur if dur > 0 else 0.0,
+        "request_goodput": (good / dur if dur > 0 else 0.0) if good is not None else None,
+        "output_throughput": total_out / dur if dur > 0 else 0.0,
+        "total_token_throughput": (total_in + total_out) / dur if dur > 0 else 0.0,
+        "input_lens": [(r.server_prompt_tokens or r.prompt_len) for r in records],
+        "output_lens": [r.output_tokens for r in records],
+        "ttfts": [r.ttft_s or 0.0 for r in records],
+        "itls": [r.itl_s for r in records],
+        "latencies": [r.e2el_s or 0.0 for r in records],
+        "start_times": [r.start_s for r in records],
+        "queue_times": [r.client_queue_s for r in records],
+        "generated_texts": [r.text for r in records],
+        "errors": [r.error for r in records],
+        "max_output_tokens_per_s": peak_tps, "max_concurrent_requests": peak_conc,
+    }
+    for m in percentile_metrics:
+        st = _stats(metric_values(records, m), percentiles)
+        for k, v in st.items():
+            result[f"{k}_{m}_ms"] = v
+    counters = run.counters.summary()
+    for k, v in counters.items():
+        if v is not None:
+            result[k] = v
+    result["goodput_slo_ms"] = goodput or None
+    result["errors_by_kind"] = errors_by_kind
+    result["client"] = {
+        "clock": "time.perf_counter; tokens stamped when the socket read returns",
+        "http_version": "2 (h2c prior knowledge)" if cfg.http2 else "1.1",
+        "keep_alive": cfg.keep_alive, "num_warmups": run.num_warmups,
+        "mean_send_lag_ms": float(np.mean(lags)) * 1e3 if lags else None,
+        "p99_send_lag_ms": lag_p99 * 1e3 if lag_p99 is not None else None,
+        "max_send_lag_ms": float(np.max(lags)) * 1e3 if lags else None,
+        "saturated": bool(lag_p99 is not None and lag_p99 > SATURATED_SEND_LAG_S),
+    }
+    result["server_metrics_available"] = run.counters.available
+    result["attribution"] = attribution(records, lag_p99,
+                                        speculative=bool(counters.get("spec_decode_draft_tokens")))
+    phases = per_request_phases(records)
+    result["requests"] = [{**r.as_dict(), "phases_ms": ph} for r, ph in zip(records, phases)]
+    return result

@@ -1,0 +1,446 @@
+"""The load generator against real servers on 127.0.0.1: a test server that injects known
+delays (tests/fake_openai_server.py: real HTTP, real SSE), and tailserve itself.
+
+Tolerances: delays are asyncio sleeps on a shared 2-core machine, so each recovered figure
+is checked to within a few milliseconds plus a relative margin, stated at each check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import pathlib
+import shutil
+import struct
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from tailserve.assets import DEFAULT_TARGET_DIR
+from tailserve.bench.arrivals import arrival_offsets
+from tailserve.bench.datasets import BenchRequest, DatasetConfig, load_dataset
+from tailserve.bench.load import LoadConfig, run_load
+from tailserve.bench.local_server import LocalServer, free_port
+from tailserve.bench.report import compare, html_report, plots
+from tailserve.bench.results import build_result
+from tailserve.cli import main
+from tailserve.errors import ConfigError
+from tailserve.model.tokenizer import Tokenizer
+
+FAKE = pathlib.Path(__file__).with_name("fake_openai_server.py")
+METRICS = ["ttft", "ttst", "tpot", "itl", "e2el"]
+PCTS = [50.0, 90.0, 99.0]
+
+
+class FakeServer:
+    def __init__(self, *flags: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, str(FAKE), "--port", str(self.port), *flags],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=0.5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError("fake server did not start")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+    def __enter__(self) -> FakeServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _requests(n: int, out: int = 8) -> list[BenchRequest]:
+    return [BenchRequest(f"prompt {i}", 8, out) for i in range(n)]
+
+
+def _run(url: str, reqs: list[BenchRequest], tokenizer: Tokenizer | None = None, **kw) -> dict:
+    run = asyncio.run(run_load(LoadConfig(url, **kw), reqs, tokenizer))
+    return build_result(run, METRICS, PCTS)
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer(DEFAULT_TARGET_DIR)
+
+
+# -- recovering injected figures -------------------------------------------------------------
+
+def test_recovers_injected_queue_prefill_and_token_gaps():
+    with FakeServer("--queue-ms", "20", "--prefill-ms", "30", "--itl-ms", "10") as srv:
+        res = _run(srv.url, _requests(40, out=8), request_rate=20.0, seed=1)
+    assert res["completed"] == 40 and res["failed"] == 0
+    # TTFT = queue + prefill + wire: 50 ms, within +15 ms (client, loop and loopback) and -2 ms.
+    assert 48 <= res["median_ttft_ms"] <= 65, res["median_ttft_ms"]
+    assert 8 <= res["median_itl_ms"] <= 14, res["median_itl_ms"]  # 10 ms, within -2/+4 ms
+    assert 8 <= res["median_tpot_ms"] <= 16
+    assert 55 <= res["median_ttst_ms"] <= 80  # TTFT + one gap
+    ph = res["attribution"]["median_phase_ms"]
+    assert 19 <= ph["queue"] <= 26 and 29 <= ph["prefill"] <= 37, ph  # as the server reported them
+    assert 68 <= ph["decode"] <= 85, ph  # 7 gaps of 10 ms
+    assert ph["network"] < 12, ph
+    assert res["attribution"]["num_joined"] == 40
+
+
+def test_wire_delay_on_five_percent_of_requests_is_named_network():
+    with FakeServer("--prefill-ms", "10", "--itl-ms", "5", "--wire-delay-ms", "200", "--wire-every", "20") as srv:
+        res = _run(srv.url, _requests(60, out=6), request_rate=30.0, seed=2)
+    a = res["attribution"]
+    assert a["attributable"] and a["dominant"] == "network", a
+    assert a["share"]["network"] > 0.8
+    assert 190 <= a["p99_network_ttft_ms"] <= 240, a  # the 200 ms injected, within -10/+40 ms
+    assert "network" in a["verdict"]
+    delayed = [q for q in res["requests"] if q["phases_ms"]["network"] > 150]
+    assert len(delayed) == 3  # every 20th of 60
+
+
+def test_queue_delay_on_five_percent_of_requests_is_named_queue():
+    with FakeServer("--prefill-ms", "10", "--itl-ms", "5", "--queue-extra-ms", "250", "--queue-every", "20") as srv:
+        res = _run(srv.url, _requests(60, out=6), request_rate=30.0, seed=3)
+    a = res["attribution"]
+    assert a["dominant"] == "queue" and a["share"]["queue"] > 0.8, a
+    assert 240 <= a["excess_ms"]["queue"] <= 280
+    assert "queueing" in a["verdict"]
+
+
+def test_server_without_timings_is_not_attributable():
+    with FakeServer("--itl-ms", "2", "--no-timing") as srv:
+        res = _run(srv.url, _requests(10), request_rate=math.inf)
+    assert res["completed"] == 10
+    assert res["attribution"] == {"attributable": False, "num_joined": 0, "num_successful": 10,
+                                  "verdict": "not attributable: the server reports no per-request timings"}
+
+
+def test_errors_are_counted_by_kind_and_do_not_stop_the_run():
+    with FakeServer("--itl-ms", "2", "--fail-every", "5", "--malformed-every", "7", "--disconnect-every",
+                    "11") as srv:
+        res = _run(srv.url, _requests(30), request_rate=math.inf)
+    k = [i for i in range(30)]
+    fail = {i for i in k if i % 5 == 4}
+    malformed = {i for i in k if i % 7 == 6} - fail
+    disconnect = {i for i in k if i % 11 == 10} - fail - malformed
+    e = res["errors_by_kind"]
+    assert e["http_5xx"] == len(fail) and e["malformed_stream"] == len(malformed), e
+    assert e["disconnect"] == len(disconnect), e
+    assert res["failed"] == len(fail | malformed | disconnect)
+    assert res["completed"] == 30 - res["failed"]
+    assert all(r for r, q in zip(res["errors"], res["requests"]) if q["error_kind"])
+
+
+def test_concurrency_cap_holds_and_slot_waits_are_not_client_lag():
+    with FakeServer("--itl-ms", "10") as srv:
+        res = _run(srv.url, _requests(10, out=5), request_rate=math.inf, max_concurrency=2)
+    reqs = res["requests"]
+    events = sorted([(q["send_s"], 1) for q in reqs] + [(q["end_s"], -1) for q in reqs])
+    live = np.cumsum([d for _, d in events])
+    assert live.max() <= 2
+    waited = [q["client_queue_ms"] for q in reqs]
+    assert max(waited) > 100  # the last pair waits for four pairs of ~45 ms requests
+    assert res["client"]["p99_send_lag_ms"] < 50  # the waits are not counted as lag
+
+
+def test_multi_turn_history_grows_and_each_turn_follows_the_last(tok):
+    reqs = load_dataset(DatasetConfig(name="multi_turn", num_prompts=3, input_len=48, output_len=6, num_turns=3),
+                        tok)
+    with FakeServer("--itl-ms", "2") as srv:
+        res = _run(srv.url, reqs, tok, endpoint="/v1/chat/completions", request_rate=math.inf)
+    assert res["completed"] == 9
+    by_conv: dict[int, list[dict]] = {}
+    for q in res["requests"]:
+        by_conv.setdefault(q["conversation"], []).append(q)
+    for turns in by_conv.values():
+        turns.sort(key=lambda q: q["turn"])
+        assert [q["turn"] for q in turns] == [0, 1, 2]
+        assert turns[0]["prompt_len"] < turns[1]["prompt_len"] < turns[2]["prompt_len"]
+        assert turns[1]["send_s"] >= turns[0]["end_s"] and turns[2]["send_s"] >= turns[1]["end_s"]
+
+
+def test_slo_search_finds_the_highest_rate_meeting_the_bounds(tmp_path, capsys):
+    # Capacity 2 x 8 tokens x 10 ms: about 20 req/s at most; beyond that requests queue.
+    with FakeServer("--itl-ms", "10", "--capacity", "2") as srv:
+        rc = main(["bench", "--url", srv.url, "--dataset-name", "random", "--tokenizer", str(DEFAULT_TARGET_DIR),
+                   "--random-input-len", "8", "--random-output-len", "8", "--num-prompts", "30",
+                   "--slo", "p99_ttft_ms<=60", "--slo-iterations", "3", "--disable-tqdm", "--save-result",
+                   "--result-dir", str(tmp_path), "--result-filename", "slo.json"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "highest rate meeting p99_ttft_ms<=60" in out, out
+    runs = [json.loads(f.read_text()) for f in tmp_path.glob("slo-*.json")]
+    assert len(runs) == 4  # full load, then three bisection steps
+    best = runs[0]["slo_search"]["best_rate"]
+    full = next(r for r in runs if r["request_rate"] == "inf")
+    assert full["p99_ttft_ms"] > 60  # at full load the bound is missed ...
+    assert isinstance(best, float) and 0 < best < full["request_throughput"]
+    met = [r for r in runs if r["p99_ttft_ms"] <= 60]
+    assert any(float(r["request_rate"]) == pytest.approx(best) for r in met)  # ... at the best rate it holds
+    assert all(float(r["request_rate"]) <= best + 1e-9 for r in met)
+
+
+# -- arrivals and datasets ---------------------------------------------------------------------
+
+def test_poisson_and_gamma_arrivals_have_the_asked_rate_and_spread():
+    for b in (1.0, 0.5, 4.0):
+        gaps = np.diff(arrival_offsets(20001, 10.0, burstiness=b, seed=7))
+        assert abs(gaps.mean() - 0.1) < 0.003  # mean 1/rate within 3%
+        assert abs(gaps.std() / gaps.mean() - 1 / math.sqrt(b)) < 0.05  # gamma CV = 1/sqrt(shape)
+    assert arrival_offsets(5, math.inf) == [0.0] * 5
+    ramp = np.diff(arrival_offsets(4001, 1.0, seed=1, ramp=(1.0, 20.0)))
+    assert ramp[:500].mean() > 4 * ramp[-500:].mean()
+    with pytest.raises(ConfigError):
+        arrival_offsets(3, -1.0)
+
+
+def test_random_prompts_have_exact_token_counts(tok):
+    reqs = load_dataset(DatasetConfig(name="random", num_prompts=20, input_len=100, output_len=10), tok)
+    assert all(len(tok.encode(r.prompt, add_special_tokens=False)) == 100 for r in reqs)
+    varied = load_dataset(DatasetConfig(name="random", num_prompts=30, input_len=100, range_ratio=0.5), tok)
+    lens = {len(tok.encode(r.prompt, add_special_tokens=False)) for r in varied}
+    assert len(lens) > 5 and min(lens) >= 50 and max(lens) <= 150
+
+
+def test_prefix_repetition_shares_prefixes(tok):
+    reqs = load_dataset(DatasetConfig(name="prefix_repetition", num_prompts=12, input_len=64, suffix_len=8,
+                                      num_prefixes=3), tok)
+    heads = {r.prompt[:100] for r in reqs}
+    assert len(heads) == 3 and len({r.prompt for r in reqs}) == 12
+
+
+def test_python_prompts_end_where_a_body_starts(tok):
+    reqs = load_dataset(DatasetConfig(name="python", num_prompts=10, input_len=96), tok)
+    for r in reqs:
+        assert r.prompt_len <= 97  # input_len plus BOS
+        last_def = [ln for ln in r.prompt.splitlines() if ln.lstrip().startswith("def ")][-1]
+        assert r.prompt.rstrip(" ").endswith(last_def + "\n")
+
+
+def test_file_datasets_sharegpt_custom_and_trace(tmp_path, tok):
+    share = tmp_path / "share.json"
+    share.write_text(json.dumps([{"conversations": [{"from": "human", "value": "Write a sorting function please."},
+                                                    {"from": "gpt", "value": "def sort(xs):\n    return sorted(xs)"}]},
+                                 {"conversations": [{"from": "human", "value": "only one turn"}]}]))
+    reqs = load_dataset(DatasetConfig(name="sharegpt", num_prompts=3, path=str(share)), tok)
+    assert len(reqs) == 3 and reqs[0].output_len == len(tok.encode("def sort(xs):\n    return sorted(xs)"))
+    custom = tmp_path / "c.jsonl"
+    custom.write_text('{"prompt": "a", "output_tokens": 5}\n{"prompt": "b"}\n')
+    reqs = load_dataset(DatasetConfig(name="custom", num_prompts=2, path=str(custom), output_len=9), tok)
+    assert [r.output_len for r in reqs] == [5, 9]
+    trace = tmp_path / "t.csv"
+    trace.write_text("timestamp,input_length,output_length\n10.0,20,4\n10.5,30,5\n12.0,10,6\n")
+    reqs = load_dataset(DatasetConfig(name="trace", num_prompts=10, path=str(trace), trace_speedup=2.0), tok)
+    assert [r.arrival_s for r in reqs] == [0.0, 0.25, 1.0]
+    assert [len(tok.encode(r.prompt, add_special_tokens=False)) for r in reqs] == [20, 30, 10]
+    jl = tmp_path / "t.jsonl"
+    jl.write_text('{"timestamp_ms": 1000, "input_length": 5, "output_length": 2}\n')
+    assert load_dataset(DatasetConfig(name="trace", num_prompts=1, path=str(jl)), tok)[0].output_len == 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": 3}\n')
+    with pytest.raises(ConfigError, match="string 'prompt'"):
+        load_dataset(DatasetConfig(name="custom", path=str(bad)), tok)
+    with pytest.raises(ConfigError, match="needs --dataset-path"):
+        DatasetConfig(name="sharegpt")
+
+
+def test_trace_replay_sends_at_the_trace_times():
+    reqs = [BenchRequest("x", 1, 2, arrival_s=t) for t in (0.0, 0.3, 0.6)]
+    with FakeServer("--itl-ms", "1") as srv:
+        res = _run(srv.url, reqs)
+    sends = sorted(q["send_s"] for q in res["requests"])
+    assert np.allclose(np.diff(sends), [0.3, 0.3], atol=0.03)
+
+
+# -- outputs ---------------------------------------------------------------------------------
+
+def _png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.fixture(scope="module")
+def two_results() -> list[dict]:
+    with FakeServer("--prefill-ms", "10", "--itl-ms", "4", "--wire-delay-ms", "80", "--wire-every", "10") as srv:
+        a = _run(srv.url, _requests(30, out=6), request_rate=40.0, seed=1)
+        b = _run(srv.url, _requests(30, out=6), request_rate=60.0, seed=2)
+    a["label"], b["label"] = "40 req/s", "60 req/s"
+    return [a, b]
+
+
+def test_plots_are_pngs_of_the_stated_size(two_results):
+    pngs = plots(two_results)
+    assert set(pngs) == {"ttft_cdf", "tpot_cdf", "phases", "latency_vs_rate"}
+    for data in pngs.values():
+        assert len(data) > 5000 and _png_size(data) == (800, 480)
+
+
+def _chromium() -> tuple[str, str] | None:
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    return (browser, driver) if browser and driver else None
+
+
+def test_html_report_shows_its_plots_in_headless_chromium(two_results, tmp_path):
+    found = _chromium()
+    if found is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI must install Debian's chromium and chromium-driver (.ci/run does)")
+        pytest.skip("chromium / chromedriver not installed (apt-get install chromium chromium-driver)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    page = tmp_path / "report.html"
+    page.write_text(html_report(two_results, command="tailserve bench ..."))
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = found[0]
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}"):
+        opts.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(found[1]), options=opts)
+    try:
+        driver.get(page.as_uri())
+        assert driver.title == "tailserve bench report"
+        sizes = driver.execute_script(
+            "return Array.from(document.images).map(i => [i.id, i.complete, i.naturalWidth, i.naturalHeight])")
+        assert {s[0] for s in sizes} == {"plot-ttft_cdf", "plot-tpot_cdf", "plot-phases", "plot-latency_vs_rate"}
+        assert all(s[1] and s[2] == 800 and s[3] == 480 for s in sizes), sizes
+        text = driver.find_element("tag name", "body").text
+        assert "network" in text and "40 req/s" in text and "Slowest requests" in text
+    finally:
+        driver.quit()
+
+
+def test_compare_flags_noise_and_real_differences(two_results):
+    a, _ = two_results
+    same = compare(a, a)
+    assert all(r["verdict"] == "within noise" for r in same)
+    slower = json.loads(json.dumps(a))
+    for q in slower["requests"]:
+        q["ttft_ms"] = q["ttft_ms"] * 3
+    slower["median_ttft_ms"] = a["median_ttft_ms"] * 3
+    rows = {r["metric"]: r for r in compare(a, slower)}
+    assert rows["median_ttft_ms"]["verdict"] == "worse"
+    lo, hi = rows["median_ttft_ms"]["interval95"]
+    assert lo > 0 and hi > lo
+
+
+def test_compare_command(tmp_path, two_results, capsys):
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(two_results[0]))
+    pb.write_text(json.dumps(two_results[1]))
+    assert main(["bench", "compare", str(pa), str(pb)]) == 0
+    out = capsys.readouterr().out
+    assert "median_ttft_ms" in out and ("within noise" in out or "better" in out or "worse" in out)
+    assert main(["bench", "compare", str(pa), str(tmp_path / "missing.json")]) == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--request-rate", "-1"], "must be positive"),
+    (["--slo", "p99_ttft<=5"], "not a result key"),
+    (["--dataset-name", "sharegpt"], "needs --dataset-path"),
+    (["--goodput", "ttft=5"], "KEY:MS"),
+    (["--percentile-metrics", "ttft,foo"], "unknown foo"),
+    (["--url", "http://127.0.0.1:9", "--tokenizer", str(DEFAULT_TARGET_DIR), "--num-prompts", "1"], "cannot reach"),
+])
+def test_bad_bench_flags_exit_2_with_one_line(argv, message, capsys):
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+
+
+# -- against tailserve itself -------------------------------------------------------------------
+
+# The keys a script written for `vllm bench serve` results reads (vllm/benchmarks/serve.py).
+VLLM_KEYS = {
+    "date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts", "request_rate",
+    "burstiness", "max_concurrency", "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
+    "request_throughput", "request_goodput", "output_throughput", "total_token_throughput", "input_lens",
+    "output_lens", "ttfts", "itls", "latencies", "start_times", "queue_times", "generated_texts", "errors",
+    "max_output_tokens_per_s", "max_concurrent_requests",
+    *(f"{s}_{m}_ms" for s in ("mean", "median", "std", "p99") for m in ("ttft", "tpot", "itl", "e2el")),
+}
+
+
+@pytest.fixture(scope="module")
+def tailserve_server(llama_checkpoint):
+    path, _ = llama_checkpoint
+    with LocalServer(["--model", str(path), "--dtype", "float32", "--kv-cache-memory", "8MiB"]) as srv:
+        yield srv, path
+
+
+def test_result_json_of_a_tailserve_run_has_vllm_keys_and_units(tailserve_server, tmp_path, capsys):
+    srv, path = tailserve_server
+    rc = main(["bench", "--url", srv.url, "--tokenizer", str(path), "--dataset-name", "random",
+               "--random-input-len", "16", "--random-output-len", "8", "--ignore-eos", "--num-prompts", "12",
+               "--request-rate", "20", "--metric-percentiles", "50,99", "--goodput", "ttft:10000",
+               "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json",
+               "--report-dir", str(tmp_path / "rep")])
+    assert rc == 0
+    out = capsys.readouterr().out
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res.keys() >= VLLM_KEYS, VLLM_KEYS - res.keys()
+    assert res["completed"] == 12 and res["total_output_tokens"] == 96  # usage from the server, ignore_eos
+    assert abs(np.median(res["ttfts"]) * 1e3 - res["median_ttft_ms"]) < 1e-6  # seconds vs milliseconds
+    assert res["request_goodput"] == pytest.approx(res["request_throughput"])
+    assert res["attribution"]["attributable"] and res["attribution"]["source"] == "tailserve"
+    assert res["server_metrics_available"] and 0 <= res["max_kv_cache_usage"] <= 1  # sampled while it ran
+    assert "network" in res["attribution"]["median_phase_ms"]
+    assert "P99 end-to-end is" in out
+    assert (tmp_path / "rep" / "report.html").stat().st_size > 10000
+
+
+def test_http2_and_connection_reuse_comparison(tailserve_server, tmp_path, capsys):
+    srv, path = tailserve_server
+    base = ["bench", "--tokenizer", str(path), "--dataset-name", "random", "--random-input-len", "8",
+            "--random-output-len", "4", "--num-prompts", "10", "--request-rate", "20", "--disable-tqdm",
+            "--save-result", "--result-dir", str(tmp_path), "--result-filename", "h.json"]
+    assert main([*base, "--url", srv.url_h2, "--http2"]) == 0
+    h2 = json.loads((tmp_path / "h.json").read_text())
+    assert h2["completed"] == 10 and h2["client"]["http_version"].startswith("2")
+    assert main([*base, "--url", srv.url, "--no-keep-alive"]) == 0
+    nk = json.loads((tmp_path / "h.json").read_text())
+    assert nk["completed"] == 10 and nk["client"]["keep_alive"] is False
+    capsys.readouterr()
+
+
+@pytest.mark.slow
+def test_bench_with_no_url_measures_the_builtin_pair_with_speculation_and_compares_http(tmp_path, capsys):
+    rc = main(["bench", "--dataset-name", "python", "--random-input-len", "64", "--random-output-len", "16",
+               "--num-prompts", "8", "--request-rate", "8", "--compare-http", "--disable-tqdm", "--save-result",
+               "--result-dir", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    files = sorted(tmp_path.glob("*.json"))
+    assert len(files) == 3
+    results = [json.loads(f.read_text()) for f in files]
+    assert {r["client"]["http_version"][0] for r in results} == {"1", "2"}
+    for r in results:
+        assert r["completed"] == 8
+        assert 0 < r["spec_decode_acceptance_rate"] <= 100 and r["spec_decode_acceptance_length"] >= 1
+    assert "B = HTTP/2 h2c against A = HTTP/1.1 keep-alive" in out
+
+
+@pytest.mark.slow
+def test_demo_quick_prints_the_table_and_writes_the_report(tmp_path, capsys):
+    assert main(["demo", "--quick", "--report-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for label in ("baseline", "speculative", "shared prefix"):
+        assert label in out
+    assert "sample completion" in out and "HTML report:" in out
+    res = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    assert res["speculative"]["spec_decode_acceptance_rate"] > 0
+    assert res["shared"]["prefix_cache_hit_rate"] > 0.3
+    assert (tmp_path / "report.html").is_file()
