@@ -42,7 +42,7 @@ class LoadConfig:
     keep_alive: bool = True
     timeout_s: float = 600.0
     seed: int = 0
-    metrics_interval_s: float = 0.5
+    metrics_interval_s: float = 1.0  # gauge sampling (KV use, running, waiting)
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:

