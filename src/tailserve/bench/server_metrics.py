@@ -115,7 +115,7 @@ class ServerCounters:
 class MetricsWatcher:
     """Scrape once at the start, every ``interval_s`` while the run lasts, and once at the end."""
 
-    def __init__(self, client: httpx.AsyncClient, base_url: str, interval_s: float = 0.5) -> None:
+    def __init__(self, client: httpx.AsyncClient, base_url: str, interval_s: float = 1.0) -> None:
         self.client, self.base_url, self.interval_s = client, base_url, interval_s
         self.counters = ServerCounters()
         self._before: dict[str, float] | None = None
@@ -150,5 +150,6 @@ class MetricsWatcher:
         if self._before is not None:
             after = await scrape(self.client, self.base_url)
             if after is not None:
+                self._record_gauges(after)  # a run shorter than the interval still has a reading
                 self.counters.deltas = {k: after[k] - self._before.get(k, 0.0) for k in after if k in COUNTERS}
         return self.counters
