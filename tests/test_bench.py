@@ -444,3 +444,16 @@ def test_demo_quick_prints_the_table_and_writes_the_report(tmp_path, capsys):
     assert res["speculative"]["spec_decode_acceptance_rate"] > 0
     assert res["shared"]["prefix_cache_hit_rate"] > 0.3
     assert (tmp_path / "report.html").is_file()
+
+
+def test_each_load_level_gets_fresh_prompts_and_warmups_of_their_own(tok):
+    from tailserve.bench.main import BenchSession
+
+    session = BenchSession(None, LoadConfig("http://127.0.0.1:1", num_warmups=2),  # type: ignore[arg-type]
+                           DatasetConfig(name="random", num_prompts=5, input_len=16), tok, None, METRICS, PCTS, {},
+                           None)  # type: ignore[arg-type]
+    first, warm1 = session.requests()
+    second, _ = session.requests()
+    assert len(first) == 5 and len(warm1) == 2
+    assert not {r.prompt for r in warm1} & {r.prompt for r in first}
+    assert not {r.prompt for r in first} & {r.prompt for r in second}

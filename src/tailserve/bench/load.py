@@ -108,15 +108,19 @@ def _history_prompt(messages: list[dict[str, str]]) -> str:
 
 
 async def run_load(cfg: LoadConfig, requests: list[BenchRequest], tokenizer: Tokenizer | None = None,
-                   on_done: Callable[[RequestRecord], None] | None = None) -> LoadRun:
-    """Run one load level. ``requests``' own ``arrival_s`` (trace replay) wins over the rate."""
+                   on_done: Callable[[RequestRecord], None] | None = None,
+                   warmups: list[BenchRequest] | None = None) -> LoadRun:
+    """Run one load level. ``requests``' own ``arrival_s`` (trace replay) wins over the rate.
+    Warm-ups are ``warmups`` when given (prompts of their own, so they do not put the
+    measured prompts into the server's prefix cache), else the first requests again."""
     if not requests:
         raise ConfigError("no requests to send")
     client = make_client(cfg)
     try:
         model = cfg.model or await first_model(client, cfg.base_url, cfg.headers)
         if cfg.num_warmups:
-            warm = [requests[i % len(requests)] for i in range(cfg.num_warmups)]
+            pool = warmups or requests
+            warm = [pool[i % len(pool)] for i in range(cfg.num_warmups)]
             t_w = time.perf_counter()
             await asyncio.gather(*[_one(client, cfg, model, r, RequestRecord(
                 i, new_request_id(), r.prompt_len, r.output_len, 0.0, warmup=True), t_w, tokenizer, None)

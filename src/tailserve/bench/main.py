@@ -256,7 +256,7 @@ class BenchSession:
 
     args: argparse.Namespace
     base: LoadConfig
-    requests: list[BenchRequest]
+    dataset: DatasetConfig
     tokenizer: Tokenizer | None
     tokenizer_id: str | None
     percentile_metrics: list[str]
@@ -264,10 +264,26 @@ class BenchSession:
     goodput: dict[str, float]
     progress: _Progress
 
+    level: int = 0
+
+    def requests(self) -> tuple[list[BenchRequest], list[BenchRequest]]:
+        """(measured, warm-up) prompts for the next load level: a fresh sample per level
+        (seed + level), so a sweep's later levels do not find the earlier levels' prompts in
+        the server's prefix cache, and warm-ups of their own for the same reason."""
+        n_warm = self.base.num_warmups
+        cfg = replace(self.dataset, seed=self.dataset.seed + self.level,
+                      num_prompts=self.dataset.num_prompts + n_warm)
+        self.level += 1
+        reqs = load_dataset(cfg, self.tokenizer)
+        if any(r.arrival_s is not None for r in reqs):  # a trace: replay it whole; warm-ups repeat its start
+            return reqs[: self.dataset.num_prompts], reqs[:n_warm]
+        return reqs[n_warm:], reqs[:n_warm]
+
     def measure(self, cfg: LoadConfig, label: str) -> dict[str, Any]:
-        total = len(self.requests) * (1 + len(self.requests[0].follow_ups))
+        requests, warmups = self.requests()
+        total = len(requests) * (1 + len(requests[0].follow_ups))
         with self.progress.run(label, total) as done:
-            run: LoadRun = asyncio.run(run_load(cfg, self.requests, self.tokenizer, on_done=done))
+            run: LoadRun = asyncio.run(run_load(cfg, requests, self.tokenizer, on_done=done, warmups=warmups))
         return build_result(run, self.percentile_metrics, self.percentiles, self.goodput or None, label=label,
                             tokenizer_id=self.tokenizer_id, dataset_name=self.args.dataset_name)
 
@@ -365,7 +381,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
         num_prompts = max(num_prompts, count_for_duration(args.duration, max(r for r in rates if not math.isinf(r))
                                                           if any(not math.isinf(r) for r in rates) else math.inf))
-    requests = load_dataset(_dataset_config(args, num_prompts), tokenizer)
+    dataset = _dataset_config(args, num_prompts)
+    load_dataset(replace(dataset, num_prompts=1), tokenizer)  # a bad file or flag fails before a server starts
     with _target(args) as (base_url, h2_url):
         base = LoadConfig(base_url=base_url, endpoint=endpoint, model=args.model if not local else None,
                           request_rate=rates[0], burstiness=args.burstiness, max_concurrency=args.max_concurrency,
@@ -375,7 +392,7 @@ def run_bench(args: argparse.Namespace) -> int:
                           keep_alive=not args.no_keep_alive, timeout_s=args.timeout, seed=args.seed)
         if base.http2 and h2_url:
             base = replace(base, base_url=h2_url)
-        session = BenchSession(args, base, requests, tokenizer, tokenizer_id, percentile_metrics, percentiles,
+        session = BenchSession(args, base, dataset, tokenizer, tokenizer_id, percentile_metrics, percentiles,
                                goodput, _Progress(not args.disable_tqdm))
         label = args.label or ("tailserve-local" if local else base.endpoint.rsplit("/", 1)[-1])
         extra: dict[str, Any] = {}
