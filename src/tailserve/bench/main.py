@@ -401,6 +401,9 @@ def run_bench(args: argparse.Namespace) -> int:
             results, summary = slo_search(session, bounds, args.slo_iterations)
             extra["slo_search"] = summary
         elif args.compare_http:
+            # Each way warms its own connections and the server first, so the first way does not
+            # pay for a cold server alone.
+            base = replace(base, num_warmups=max(base.num_warmups, 4))
             ways = [("HTTP/1.1 keep-alive", replace(base, http2=False, keep_alive=True)),
                     ("HTTP/1.1 new connection each", replace(base, http2=False, keep_alive=False)),
                     ("HTTP/2 h2c", replace(base, http2=True, keep_alive=True,

@@ -157,11 +157,10 @@ def rate_png(results: Sequence[dict[str, Any]]) -> bytes | None:
     pts.sort(key=lambda p: p[0])
     plt, fig, ax = _figure()
     xs = [p[0] for p in pts]
-    for key, style in (("median_ttft_ms", "o-"), ("p99_ttft_ms", "o--"), ("median_tpot_ms", "s-"),
-                       ("p99_tpot_ms", "s--")):
+    for key, style, name in (("median_ttft_ms", "o-", "TTFT P50"), ("p99_ttft_ms", "o--", "TTFT P99"),
+                             ("median_tpot_ms", "s-", "TPOT P50"), ("p99_tpot_ms", "s--", "TPOT P99")):
         if all(key in p[1] for p in pts):
-            ax.plot(xs, [p[1][key] for p in pts], style, label=key.replace("_ms", "").replace("median", "P50")
-                    .replace("p99", "P99"))
+            ax.plot(xs, [p[1][key] for p in pts], style, label=name)
     ax.set_xlabel("achieved request rate (req/s)")
     ax.set_ylabel("latency (ms)")
     ax.set_yscale("log")
