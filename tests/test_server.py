@@ -210,6 +210,16 @@ BAD = [
     ("/v1/completions", json.dumps({"prompt": "a", "model": "gpt-4"}).encode(), 404, "model_not_found"),
     ("/v1/chat/completions", json.dumps({"messages": [{"content": "no role"}]}).encode(), 422, "invalid_type"),
     ("/v1/nope", b"{}", 404, "not_found"),
+    # Fields this server does not implement: 400 naming the field, never a 200 that ignores it.
+    ("/v1/completions", json.dumps({"prompt": "a", "suffix": "b"}).encode(), 400, "unsupported_field"),
+    ("/v1/completions", json.dumps({"prompt": "a", "frequency_penalty": 0.5}).encode(), 400, "unsupported_field"),
+    ("/v1/completions", json.dumps({"prompt": "a", "no_such_field": 1}).encode(), 400, "unsupported_field"),
+    ("/v1/completions", json.dumps({"prompt": "a", "stream": True, "stream_options": {
+        "continuous_usage_stats": True}}).encode(), 400, "unsupported_field"),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}], "tools": [{
+        "type": "function", "function": {"name": "f"}}]}).encode(), 400, "unsupported_field"),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_object"}}).encode(), 400, "unsupported_field"),
 ]
 
 
@@ -225,6 +235,24 @@ def test_bad_input_gets_documented_error_and_server_survives(server, path, body,
     assert health.status_code == 200
     assert health.json()["cuda_allocator"] == {"conf": "default", "source": "default", "memory_fraction": None,
                                                "warnings": []}
+
+
+@pytest.mark.parametrize("field, value", [("tools", {"type": "function"}), ("tool_choice", "auto"),
+                                          ("logit_bias", {"5": 10}), ("presence_penalty", 1.0)])
+def test_unsupported_fields_through_the_openai_client_name_the_field(client, field, value):
+    from openai import BadRequestError
+
+    with pytest.raises(BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                       extra_body={field: [value] if field == "tools" else value})
+    assert e.value.body["param"] == field and e.value.body["code"] == "unsupported_field"
+
+
+def test_neutral_values_of_unimplemented_fields_are_accepted(client):
+    # vllm bench serve sends repetition_penalty=1.0 with every request: it asks for nothing.
+    out = client.completions.create(model="tiny", prompt="def f(", max_tokens=3, n=1, presence_penalty=0,
+                                    frequency_penalty=0.0, extra_body={"repetition_penalty": 1.0, "best_of": 1})
+    assert out.choices[0].finish_reason in ("length", "stop")
 
 
 def test_models_version_metrics(server):

@@ -2,6 +2,13 @@
 
 Type errors (a string where a number belongs) are HTTP 422; values out of range and
 semantic problems are HTTP 400; both come back in OpenAI's error format, naming the field.
+
+The field rule (docs/server.md lists every field): a body may carry only the fields its
+endpoint reads. A field this server does not implement is rejected with 400 naming it,
+never accepted and ignored, with one exception: a sampling field at its neutral value
+(``presence_penalty: 0``, ``repetition_penalty: 1``, ``n: 1``, ``logit_bias: {}``, ...)
+asks for nothing, so it is accepted (``vllm bench serve`` sends ``repetition_penalty: 1.0``
+with every request). Unknown fields are rejected the same way, as OpenAI's API does.
 """
 
 from __future__ import annotations
@@ -46,6 +53,38 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
     return body
+
+
+# Fields each endpoint reads (besides the neutral ones below).
+COMPLETION_FIELDS = frozenset({
+    "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+    "ignore_eos", "logprobs", "echo", "stream", "stream_options", "n", "user"})
+CHAT_FIELDS = frozenset({
+    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+    "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "stream", "stream_options", "n", "user",
+    "response_format"})
+# Accepted only at the value that asks for nothing (None is always neutral).
+NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+    "best_of": (1,), "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (False,),
+    "min_tokens": (0,), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+    "include_stop_str_in_output": (False,), "add_special_tokens": (True,),
+}
+STREAM_OPTIONS = frozenset({"include_usage"})
+
+
+def check_fields(body: dict[str, Any], allowed: frozenset[str]) -> None:
+    for name, value in body.items():
+        if name in allowed or value is None:
+            continue
+        neutral = NEUTRAL_VALUES.get(name)
+        if neutral is not None:
+            if any(value == v and type(value) is type(v) for v in neutral):
+                continue
+            raise APIError(400, f"'{name}' is not supported by this server (only {json.dumps(neutral[0])}, which "
+                                "asks for nothing, is accepted)", name, code="unsupported_field")
+        raise APIError(400, f"'{name}' is not a field this server implements for this endpoint (see docs/server.md);"
+                            " it is rejected rather than ignored", name, code="unsupported_field")
 
 
 _KINDS = {"int": (int,), "number": (int, float), "bool": (bool,), "str": (str,), "dict": (dict,), "list": (list,)}
@@ -121,6 +160,7 @@ def sampling_params(body: dict[str, Any], chat: bool) -> tuple[SamplingParams, i
 
 
 def completion_request(body: dict[str, Any]) -> GenerationRequest:
+    check_fields(body, COMPLETION_FIELDS)
     prompt = body.get("prompt")
     if prompt is None:
         raise APIError(400, "missing required field 'prompt'", "prompt", code="missing_field")
@@ -145,12 +185,21 @@ def completion_request(body: dict[str, Any]) -> GenerationRequest:
 def _common(body, prompts, params, logprobs) -> GenerationRequest:
     stream = field(body, "stream", "bool", False)
     opts = field(body, "stream_options", "dict", {})
+    for key, value in opts.items():
+        if key not in STREAM_OPTIONS and value not in (None, False):
+            raise APIError(400, f"stream_options.{key} is not supported (only include_usage)", "stream_options",
+                           code="unsupported_field")
     include_usage = bool(opts.get("include_usage", False))
     return GenerationRequest(prompts, params, stream, include_usage, field(body, "echo", "bool", False),
                              field(body, "model", "str", None), logprobs)
 
 
 def chat_request(body: dict[str, Any]) -> tuple[list[dict[str, str]], GenerationRequest]:
+    check_fields(body, CHAT_FIELDS)
+    fmt = field(body, "response_format", "dict", None)
+    if fmt is not None and fmt.get("type") != "text":
+        raise APIError(400, f"response_format {json.dumps(fmt)[:60]} is not supported (only {{\"type\": \"text\"}})",
+                       "response_format", code="unsupported_field")
     messages = field(body, "messages", "list", required=True)
     if not messages:
         raise APIError(400, "messages must not be empty", "messages")
