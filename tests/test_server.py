@@ -378,3 +378,32 @@ def test_speculative_server_reports_acceptance(llama_checkpoint, offline):
         assert s.metric("tailserve:spec_decode_num_accepted_tokens_total") > 0
     finally:
         s.stop()
+
+
+def test_served_model_name_defaults_to_model_as_given_and_accepts_the_folder_name(llama_checkpoint):
+    # vllm bench serve --model /path/to/ckpt sends the path itself as "model".
+    path, _ = llama_checkpoint
+    s = ServerProcess(str(path), "--kv-cache-memory", "8MiB")
+    try:
+        ids = [m["id"] for m in httpx.get(s.url + "/v1/models").json()["data"]]
+        assert ids == [str(path), path.name]
+        for name in ids:
+            r = httpx.post(s.url + "/v1/completions", json={"model": name, "prompt": "a", "max_tokens": 2}, timeout=30)
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == str(path)
+        r = httpx.post(s.url + "/v1/completions", json={"model": "other", "prompt": "a", "max_tokens": 2})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    finally:
+        s.stop()
+
+
+def test_several_served_model_names(llama_checkpoint):
+    path, _ = llama_checkpoint
+    s = ServerProcess(str(path), "--kv-cache-memory", "8MiB", "--served-model-name", "a", "b")
+    try:
+        ids = [m["id"] for m in httpx.get(s.url + "/v1/models").json()["data"]]
+        assert ids == ["a", "b", path.name]
+        r = httpx.post(s.url + "/v1/completions", json={"model": "b", "prompt": "a", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200 and r.json()["model"] == "a"
+    finally:
+        s.stop()

@@ -121,11 +121,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if http2_port:
         check_bindable(args.host, http2_port)
     kw = _engine_kwargs(args)
-    engine = LLMEngine(EngineConfig(model=args.model or "builtin", served_model_name=args.served_model_name,
+    # As vLLM: the served name is --served-model-name (several allowed, the first is the
+    # main one), else --model exactly as given; the checkpoint folder's name works too.
+    names = list(args.served_model_name or ([args.model] if args.model else []))
+    engine = LLMEngine(EngineConfig(model=args.model or "builtin", served_model_name=names[0] if names else None,
                                     enable_metrics=not args.disable_metrics, **kw))  # type: ignore[arg-type]
+    aliases = [*names[1:], engine.model_dir.name]
     run_server(engine, host=args.host, port=args.port, http2_port=http2_port, api_key=args.api_key,
                max_body_bytes=parse_bytes(args.max_request_body), max_waiting_requests=args.max_waiting_requests,
-               access_log=args.access_log)
+               access_log=args.access_log, model_aliases=aliases)
     return 0
 
 
@@ -226,7 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--http2-port", type=int, default=None,
                      help="cleartext HTTP/2 with prior knowledge, h2c (Hypercorn; also HTTP/1.1); "
                           "default: --port + 1, 0 = off")
-    srv.add_argument("--served-model-name", default=None, help="name in /v1/models (default: the folder's name)")
+    srv.add_argument("--served-model-name", nargs="+", default=None,
+                     help="name(s) requests may use, the first is the main one (default: --model as given; the "
+                          "checkpoint folder's name is always accepted too)")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     srv.add_argument("--max-waiting-requests", type=int, default=256,
                      help="beyond this many waiting requests, answer 429 with Retry-After")

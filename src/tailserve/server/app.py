@@ -19,7 +19,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from starlette.applications import Starlette
@@ -68,12 +68,16 @@ def server_timing_header(m: RequestMetrics | None) -> str:
 
 class Server:
     def __init__(self, engine: LLMEngine, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 max_waiting_requests: int = 256, start_engine_thread: bool = True) -> None:
+                 max_waiting_requests: int = 256, start_engine_thread: bool = True,
+                 model_aliases: Sequence[str] = ()) -> None:
         self.engine = engine
         self.async_engine = AsyncEngine(engine, max_waiting_requests, start_thread=start_engine_thread)
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.model_name = engine.model_name
+        # Every name a request may use: the served name first, then its aliases (the
+        # checkpoint folder's own name, further --served-model-name values).
+        self.model_names = [self.model_name, *[a for a in dict.fromkeys(model_aliases) if a != self.model_name]]
         self.chat = ChatTemplate(engine.tokenizer) if engine.tokenizer is not None else None
         self.created = int(time.time())
 
@@ -99,8 +103,9 @@ class Server:
         return parse_json_body(b"".join(chunks))
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"model '{model}' does not exist; this server serves '{self.model_name}'", "model",
+        if model is not None and model not in self.model_names:
+            raise APIError(404, f"model '{model}' does not exist; this server serves "
+                                f"{', '.join(repr(n) for n in self.model_names)}", "model",
                            code="model_not_found")
 
     def _submit(self, rid: str, prompts: list, greq: GenerationRequest, arrival_ns: int):
@@ -319,8 +324,8 @@ class Server:
     async def models(self, request: Request) -> Response:
         self._check_auth(request)
         return JSONResponse({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "tailserve",
-            "max_model_len": self.engine.max_model_len}]})
+            "id": name, "object": "model", "created": self.created, "owned_by": "tailserve", "root": self.model_name,
+            "max_model_len": self.engine.max_model_len} for name in self.model_names]})
 
     async def metrics(self, request: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST

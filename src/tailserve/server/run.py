@@ -21,6 +21,7 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Sequence
 
 import uvicorn
 from hypercorn.asyncio import serve as hypercorn_serve
@@ -46,7 +47,7 @@ def resolve_http2_port(port: int, http2_port: int | None) -> int:
 
 def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000, http2_port: int | None = None,
                api_key: str | None = None, max_body_bytes: int = 1 << 20, max_waiting_requests: int = 256,
-               access_log: bool = False) -> None:
+               access_log: bool = False, model_aliases: Sequence[str] = ()) -> None:
     """Serve until SIGINT/SIGTERM. ``http2_port``: None = port + 1, 0 = no h2c listener."""
     http2_port = resolve_http2_port(port, http2_port)
     check_bindable(host, port)
@@ -61,7 +62,7 @@ def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000, htt
     # interval than the default 5 ms keeps each hand-off from waiting that long.
     sys.setswitchinterval(0.0005)
     server = Server(engine, api_key=api_key, max_body_bytes=max_body_bytes, max_waiting_requests=max_waiting_requests,
-                    start_engine_thread=False)
+                    start_engine_thread=False, model_aliases=model_aliases)
     app = build_app(server)
     has_uvloop = importlib.util.find_spec("uvloop") is not None
     h1 = uvicorn.Server(uvicorn.Config(
