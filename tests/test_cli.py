@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 
 def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tailserve", *args], capture_output=True, text=True, timeout=300)
@@ -44,3 +46,29 @@ def test_bad_sampling_value_is_one_line_error(llama_checkpoint):
     p = run("generate", "--model", str(path), "--temperature", "-1", "hi")
     assert p.returncode == 2 and "temperature must be >= 0" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def _one_line_error(p: subprocess.CompletedProcess) -> str:
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    assert "Traceback" not in p.stderr and p.stderr.strip().count("\n") == 0, p.stderr
+    return p.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--port", "65535"], "--port 65535 leaves no port for the h2c listener"),
+    (["--port", "99999"], "--port 99999: a TCP port is 1-65535"),
+    (["--port", "-1"], "--port -1: a TCP port is 1-65535"),
+    (["--port", "8000", "--http2-port", "70000"], "--http2-port 70000"),
+])
+def test_bad_ports_are_one_line_errors(flags, message):
+    assert message in _one_line_error(run("serve", *flags))
+
+
+def test_errors_name_the_flag_the_user_typed(llama_checkpoint):
+    path, _ = llama_checkpoint
+    assert "--max-tokens must be >= 1" in _one_line_error(run("generate", "--model", str(path), "--max-tokens", "-1",
+                                                              "hi"))
+    assert "--max-num-seqs must be" in _one_line_error(run("generate", "--model", str(path), "--max-num-seqs", "0",
+                                                           "hi"))
+    assert "--kv-cache-memory 1 holds no block" in _one_line_error(
+        run("generate", "--model", str(path), "--kv-cache-memory", "1", "hi"))

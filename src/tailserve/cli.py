@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 
 from tailserve.config import DEFAULT_KV_CACHE_MEMORY_BYTES, parse_bytes
-from tailserve.errors import TailserveError
+from tailserve.errors import ConfigError, TailserveError
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -111,11 +111,22 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_port(flag: str, port: int, allow_zero: bool = False) -> None:
+    if not (0 if allow_zero else 1) <= port <= 65535:
+        raise ConfigError(f"{flag} {port}: a TCP port is {'0 (off) or ' if allow_zero else ''}1-65535")
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from tailserve.config import EngineConfig
     from tailserve.engine.llm_engine import LLMEngine
     from tailserve.server.run import check_bindable, resolve_http2_port, run_server
 
+    _check_port("--port", args.port)
+    if args.http2_port is not None:
+        _check_port("--http2-port", args.http2_port, allow_zero=True)
+    elif args.port == 65535:
+        raise ConfigError("--port 65535 leaves no port for the h2c listener (--port + 1); pass --http2-port N "
+                          "or --http2-port 0")
     http2_port = resolve_http2_port(args.port, args.http2_port)
     check_bindable(args.host, args.port)  # fail before spending seconds loading the model
     if http2_port:
@@ -289,13 +300,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Settings whose Python name differs from the flag in more than dashes.
+_FIELD_FLAGS = {"kv_cache_memory_bytes": "--kv-cache-memory"}
+
+
+def _name_flags(message: str, parser: argparse.ArgumentParser) -> str:
+    """Say ``--max-tokens`` where an error names the Python field ``max_tokens``."""
+    import re
+
+    flags: dict[str, str] = {}
+    stack = [parser]
+    while stack:
+        p = stack.pop()
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                stack.extend(action.choices.values())
+            elif action.option_strings and "_" in action.dest:
+                flags.setdefault(action.dest, max(action.option_strings, key=len))
+    flags.update(_FIELD_FLAGS)
+    for name in sorted(flags, key=len, reverse=True):
+        message = re.sub(rf"(?<![-\w]){re.escape(name)}(?![\w])", flags[name], message)
+    return message
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
     except TailserveError as e:
-        print(f"tailserve: error: {e}", file=sys.stderr)
+        print(f"tailserve: error: {_name_flags(str(e), parser)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
