@@ -72,3 +72,15 @@ def test_errors_name_the_flag_the_user_typed(llama_checkpoint):
                                                            "hi"))
     assert "--kv-cache-memory 1 holds no block" in _one_line_error(
         run("generate", "--model", str(path), "--kv-cache-memory", "1", "hi"))
+
+
+def test_version_and_help_show_defaults_without_importing_torch():
+    p = run("--version")
+    assert p.returncode == 0 and p.stdout.strip().startswith("tailserve 0.")
+    probe = ("import sys\nfrom tailserve.cli import main\nfor argv in (['--help'], ['serve', '--help'], "
+             "['bench', '--help']):\n    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+             "print('TORCH', 'torch' in sys.modules)\n")
+    p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert "TORCH False" in p.stdout, p.stdout[-300:]
+    assert "--max-num-seqs MAX_NUM_SEQS" in p.stdout and "(default: 256)" in p.stdout
+    assert "(default: inf)" in p.stdout  # bench --request-rate

@@ -217,9 +217,43 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default (argparse's own formatter skips options
+    that have no help text)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "%(default)" in text or action.default in (None, argparse.SUPPRESS, False) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)".strip()
+
+
+def _help_for_defaults(parser: argparse.ArgumentParser) -> None:
+    """Options without help text get one that shows their default (argparse prints nothing
+    for an option whose help is empty)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _help_for_defaults(sub)
+        elif action.help is None and action.option_strings and action.default not in (None, False,
+                                                                                      argparse.SUPPRESS):
+            action.help = "(default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tailserve", description="LLM inference engine and performance toolkit")
+    import tailserve
+
+    fmt = _DefaultsFormatter
+    parser = argparse.ArgumentParser(prog="tailserve", description="LLM inference engine and performance toolkit",
+                                     formatter_class=fmt)
+    parser.add_argument("--version", action="version", version=f"tailserve {tailserve.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_parser = sub.add_parser
+
+    def add_parser(name: str, **kw):  # every sub-command's --help shows the defaults
+        return _add_parser(name, formatter_class=fmt, **kw)
+
+    sub.add_parser = add_parser  # type: ignore[method-assign]
 
     gen = sub.add_parser("generate", help="complete prompts with a local model")
     gen.add_argument("prompts", nargs="+", help="prompt text(s)")
@@ -253,13 +287,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(srv)
     srv.set_defaults(func=_cmd_serve)
 
-    from tailserve.bench.main import add_bench_args, add_compare_args
+    from tailserve.bench.cli_args import add_bench_args, add_compare_args
 
     bench = sub.add_parser("bench", help="load-test any OpenAI-compatible server and say where each request's "
                                          "time went (no --url: starts tailserve serve itself)")
     add_bench_args(bench)
     bench_sub = bench.add_subparsers(dest="bench_command", required=False)
-    cmp_ = bench_sub.add_parser("compare", help="compare two result JSONs, flagging differences inside noise")
+    cmp_ = bench_sub.add_parser("compare", formatter_class=fmt,
+                                help="compare two result JSONs, flagging differences inside noise")
     add_compare_args(cmp_)
     bench.set_defaults(func=_cmd_bench)
 
@@ -273,6 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     mem = sub.add_parser("memory", help="PyTorch CUDA caching-allocator tools")
     mem_sub = mem.add_subparsers(dest="memory_command", required=True)
+    _add_mem = mem_sub.add_parser
+    mem_sub.add_parser = lambda name, **kw: _add_mem(name, formatter_class=fmt, **kw)  # type: ignore[method-assign]
     sim = mem_sub.add_parser("simulate", help="replay an allocation trace through a model of the caching "
                                               "allocator, once per PYTORCH_CUDA_ALLOC_CONF")
     sim.add_argument("trace", help="JSONL trace ({action, addr, size, stream} per line) or a PyTorch memory "
@@ -297,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     ana.add_argument("--top", type=int, default=10, help="allocation sites to list")
     ana.add_argument("--json", action="store_true")
     ana.set_defaults(func=_cmd_memory_analyze)
+    _help_for_defaults(parser)
     return parser
 
 

@@ -28,10 +28,9 @@ import sysconfig
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tailserve.bench.cli_args import DATASET_NAMES
 from tailserve.errors import ConfigError
 from tailserve.model.tokenizer import Tokenizer
-
-DATASET_NAMES = ("random", "sharegpt", "custom", "prefix_repetition", "multi_turn", "trace", "python")
 
 
 @dataclass(frozen=True)

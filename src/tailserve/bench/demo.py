@@ -20,11 +20,12 @@ import random
 from typing import Any
 
 from tailserve.assets import DEFAULT_TARGET_DIR
+from tailserve.bench.cli_args import DEFAULT_METRIC_PERCENTILES
 from tailserve.bench.datasets import BenchRequest, DatasetConfig, load_dataset, python_source_files
 from tailserve.bench.load import LoadConfig, run_load
 from tailserve.bench.local_server import LocalServer
 from tailserve.bench.report import render_table
-from tailserve.bench.results import DEFAULT_METRIC_PERCENTILES, build_result, parse_percentiles
+from tailserve.bench.results import build_result, parse_percentiles
 from tailserve.model.tokenizer import Tokenizer
 
 # Sampling that keeps the small model's code readable: greedy decoding loops on it.

@@ -15,8 +15,6 @@ import httpx
 
 from tailserve.errors import ConfigError
 
-DEFAULT_SERVER_ARGS = "--speculative-model builtin"
-
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -25,8 +25,6 @@ from tailserve.metrics.attribution import attribute_tail, phase_times
 from tailserve.metrics.timeline import RequestMetrics
 
 METRICS = ("ttft", "ttst", "tpot", "itl", "e2el")
-DEFAULT_PERCENTILE_METRICS = "ttft,ttst,tpot,itl,e2el"
-DEFAULT_METRIC_PERCENTILES = "50,90,95,99,99.9"
 GOODPUT_KEYS = ("ttft", "tpot", "e2el", "ttst")
 SATURATED_SEND_LAG_S = 0.010  # a client whose P99 send lag exceeds this is part of the measurement
 NOT_ATTRIBUTABLE = "not attributable: the server reports no per-request timings"
