@@ -407,3 +407,26 @@ def test_several_served_model_names(llama_checkpoint):
         assert r.status_code == 200 and r.json()["model"] == "a"
     finally:
         s.stop()
+
+
+def test_tokenize_and_detokenize_as_vllm_serves_them(server, llama_checkpoint, client):
+    from tailserve.model.tokenizer import Tokenizer
+
+    path, _ = llama_checkpoint
+    tok = Tokenizer(path)
+    r = httpx.post(server.url + "/tokenize", json={"model": "tiny", "prompt": "def add(a, b):"})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["tokens"] == tok.encode("def add(a, b):") and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] > 0
+    plain = httpx.post(server.url + "/tokenize", json={"prompt": "def", "add_special_tokens": False}).json()
+    assert plain["tokens"] == tok.encode("def", add_special_tokens=False)
+    back = httpx.post(server.url + "/detokenize", json={"tokens": tok.encode("x = 1", add_special_tokens=False)})
+    assert back.json() == {"prompt": "x = 1"}
+    messages = [{"role": "user", "content": "hello"}]
+    chat_ids = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1)
+    assert chat_ids["count"] == out.usage.prompt_tokens
+    bad = httpx.post(server.url + "/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "a", "foo": 1}).status_code == 400

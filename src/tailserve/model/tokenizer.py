@@ -35,7 +35,16 @@ class Tokenizer:
         self.eos_token = _token_text(self.config.get("eos_token"))
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
-        self.chat_template: str | None = self.config.get("chat_template")
+        # transformers >= 4.43 saves the template beside the tokenizer as chat_template.jinja
+        # (and prefers it on load); older checkpoints keep it in tokenizer_config.json.
+        jinja = model_dir / "chat_template.jinja"
+        template = self.config.get("chat_template")
+        if jinja.is_file():
+            try:
+                template = jinja.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise CheckpointFormatError(f"{jinja}: cannot read the chat template ({e})") from None
+        self.chat_template: str | None = template if isinstance(template, str) else None
         self.vocab_size = self._tok.get_vocab_size()
 
     @classmethod

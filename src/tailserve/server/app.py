@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP application (ASGI, Starlette).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming),
-GET /v1/models, GET /metrics (Prometheus text), GET /health, GET /version.
+GET /v1/models, POST /tokenize and /detokenize (as vLLM), GET /metrics (Prometheus text),
+GET /health, GET /version.
 
 Every generation response reports where its server-side time went: a ``Server-Timing``
 header and a ``timing`` object in the body (non-streaming), or ``timing`` in the final
@@ -35,7 +36,15 @@ from tailserve.errors import InvalidRequestError
 from tailserve.metrics.timeline import RequestMetrics
 from tailserve.outputs import RequestOutput
 from tailserve.server.chat import ChatTemplate
-from tailserve.server.protocol import APIError, GenerationRequest, chat_request, completion_request, parse_json_body
+from tailserve.server.protocol import (
+    APIError,
+    GenerationRequest,
+    chat_request,
+    check_fields,
+    completion_request,
+    field,
+    parse_json_body,
+)
 
 log = logging.getLogger("tailserve.server")
 DEFAULT_MAX_BODY_BYTES = 1 << 20
@@ -321,6 +330,45 @@ class Server:
                                              for k, v in lp.items() if k != t or len(lp) == 1]})
         return {"content": content}
 
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's ``POST /tokenize``: ``prompt`` (text) or chat ``messages`` -> token ids."""
+        self._check_auth(request)
+        body = await self._read_json(request)
+        check_fields(body, frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"}))
+        self._check_model(field(body, "model", "str", None))
+        tok = self._need_tokenizer()
+        if "messages" in body and body["messages"] is not None:
+            messages, _ = chat_request({"messages": body["messages"]})
+            if not field(body, "add_generation_prompt", "bool", True):
+                raise APIError(400, "add_generation_prompt=false is not supported", "add_generation_prompt",
+                               code="unsupported_field")
+            ids = self.chat.render(messages)  # type: ignore[union-attr]
+        else:
+            prompt = field(body, "prompt", "str", required=True)
+            ids = tok.encode(prompt, add_special_tokens=field(body, "add_special_tokens", "bool", True))
+        return JSONResponse({"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids})
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's ``POST /detokenize``: token ids -> text."""
+        self._check_auth(request)
+        body = await self._read_json(request)
+        check_fields(body, frozenset({"model", "tokens"}))
+        self._check_model(field(body, "model", "str", None))
+        tok = self._need_tokenizer()
+        ids = field(body, "tokens", "list", required=True)
+        vocab = self.engine.arch.vocab_size
+        for i, t in enumerate(ids):
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise APIError(422, f"tokens[{i}] must be an integer", "tokens", code="invalid_type")
+            if not 0 <= t < vocab:
+                raise APIError(400, f"tokens[{i}] = {t} is outside the vocabulary (0-{vocab - 1})", "tokens")
+        return JSONResponse({"prompt": tok.decode(ids, skip_special_tokens=False)})
+
+    def _need_tokenizer(self):
+        if self.engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer (tokenizer.json)", code="no_tokenizer")
+        return self.engine.tokenizer
+
     async def models(self, request: Request) -> Response:
         self._check_auth(request)
         return JSONResponse({"object": "list", "data": [{
@@ -372,6 +420,8 @@ def build_app(server: Server) -> Starlette:
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
+        Route("/tokenize", server.tokenize, methods=["POST"]),
+        Route("/detokenize", server.detokenize, methods=["POST"]),
         Route("/metrics", server.metrics, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/version", server.version, methods=["GET"]),

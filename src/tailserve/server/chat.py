@@ -3,11 +3,15 @@ sandbox like transformers' ``apply_chat_template``, or a plain fallback for mode
 
 from __future__ import annotations
 
+import logging
+
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tailserve.model.tokenizer import Tokenizer
 from tailserve.server.protocol import APIError
+
+log = logging.getLogger("tailserve.server")
 
 FALLBACK_TEMPLATE = (
     "{% for m in messages %}"
@@ -27,6 +31,9 @@ class ChatTemplate:
         env.globals["raise_exception"] = raise_exception
         self.has_own_template = bool(tokenizer.chat_template)
         source = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else FALLBACK_TEMPLATE
+        if not self.has_own_template:
+            log.warning("the model has no chat template (chat_template.jinja or tokenizer_config.json); chat "
+                        "requests use the plain '### Role' fallback")
         self.template = env.from_string(source)
         self.tokenizer = tokenizer
 
