@@ -430,3 +430,36 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(server, llama_checkpoint, c
     bad = httpx.post(server.url + "/detokenize", json={"tokens": [10**9]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     assert httpx.post(server.url + "/tokenize", json={"prompt": "a", "foo": 1}).status_code == 400
+
+
+def test_chat_top_logprobs_are_the_n_most_likely_and_streaming_carries_them(client):
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "def add(a, b):"}], max_tokens=6, temperature=0,
+              logprobs=True, top_logprobs=3)
+    full = client.chat.completions.create(**kw).choices[0].logprobs.content
+    assert len(full) == 6
+    for item in full:
+        assert len(item.top_logprobs) == 3  # N, not N - 1: the sampled token counts when it is among them
+        values = [t.logprob for t in item.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        assert item.top_logprobs[0].token == item.token and item.top_logprobs[0].logprob == item.logprob  # greedy
+        assert item.bytes == list(item.token.encode("utf-8"))
+    none = client.chat.completions.create(**{**kw, "top_logprobs": 0}).choices[0].logprobs.content
+    assert all(item.top_logprobs == [] for item in none)
+    streamed = []
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed.extend(chunk.choices[0].logprobs.content)
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in full]
+
+
+def test_streamed_completion_logprobs_equal_the_non_streamed(client):
+    kw = dict(model="tiny", prompt="class Point:", max_tokens=6, temperature=0, logprobs=2)
+    full = client.completions.create(**kw).choices[0].logprobs
+    assert all(1 <= len(d) <= 3 for d in full.top_logprobs)  # the 2 most likely + the sampled when not among them
+    toks, lps = [], []
+    for chunk in client.completions.create(**kw, stream=True):
+        lp = chunk.choices[0].logprobs if chunk.choices else None
+        if lp is not None:
+            toks += lp.tokens
+            lps += lp.token_logprobs
+    assert toks == full.tokens and lps == full.token_logprobs

@@ -190,7 +190,7 @@ class Server:
                 text = prep.prompt + text
             choices.append({"index": i, "text": text, "finish_reason": out.finish_reason,
                             "stop_reason": out.outputs[0].stop_reason,
-                            "logprobs": self._completion_logprobs(out) if greq.logprobs is not None else None})
+                            "logprobs": self._completion_logprobs(out, 0) if greq.logprobs is not None else None})
         return self._final_json(rid, "text_completion", choices, outs)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -211,7 +211,7 @@ class Server:
         out = outs[0]
         choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
                   "finish_reason": out.finish_reason, "stop_reason": out.outputs[0].stop_reason,
-                  "logprobs": self._chat_logprobs(out) if greq.logprobs is not None else None}
+                  "logprobs": self._chat_logprobs(out, 0, greq.logprobs) if greq.logprobs is not None else None}
         return self._final_json(rid, "chat.completion", [choice], outs)
 
     def _final_json(self, rid: str, obj: str, choices: list, outs: list[RequestOutput]) -> JSONResponse:
@@ -229,6 +229,7 @@ class Server:
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
         finals: list[RequestOutput] = []
+        lp_sent: dict[int, int] = {}  # per choice: how many tokens' logprobs have been streamed
         events = self._events(subs)
         try:
             if chat:
@@ -244,12 +245,20 @@ class Server:
                 out = item
                 if not out.delta_text and not out.finished:
                     continue
+                # Logprobs of every token since the last chunk (tokens whose text is held back
+                # for a possible stop string travel with the chunk that carries their text).
+                start = lp_sent.get(index, 0)
+                lps = None
+                if greq.logprobs is not None and out.outputs[0].logprobs is not None:
+                    lp_sent[index] = len(out.outputs[0].logprobs)
+                    lps = (self._chat_logprobs(out, start, greq.logprobs) if chat
+                           else self._completion_logprobs(out, start))
                 if chat:
                     choice: dict[str, Any] = {"index": index, "delta": {"content": out.delta_text},
-                                              "finish_reason": out.finish_reason}
+                                              "logprobs": lps, "finish_reason": out.finish_reason}
                 else:
                     choice = {"index": index, "text": out.delta_text, "finish_reason": out.finish_reason,
-                              "logprobs": None}
+                              "logprobs": lps}
                 chunk: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": self.model_name,
                                          "choices": [choice]}
                 if out.finished:
@@ -310,24 +319,36 @@ class Server:
     def _token_text(self, tok: int) -> str:
         return self.engine.tokenizer.decode([tok], skip_special_tokens=False) if self.engine.tokenizer else str(tok)
 
-    def _completion_logprobs(self, out: RequestOutput) -> dict[str, Any] | None:
+    def _completion_logprobs(self, out: RequestOutput, start: int) -> dict[str, Any] | None:
+        """Legacy completions format, tokens ``start:``: each position's ``top_logprobs`` holds
+        the ``logprobs`` most likely tokens plus the sampled one when it is not among them
+        (so up to logprobs + 1 entries, as OpenAI documents)."""
         lps = out.outputs[0].logprobs
         if lps is None:
             return None
-        toks = out.token_ids
+        toks = out.token_ids[start:len(lps)]
+        lps = lps[start:]
         return {"tokens": [self._token_text(t) for t in toks],
                 "token_logprobs": [lp.get(t) for t, lp in zip(toks, lps)],
                 "top_logprobs": [{self._token_text(k): v for k, v in lp.items()} for lp in lps]}
 
-    def _chat_logprobs(self, out: RequestOutput) -> dict[str, Any] | None:
+    def _chat_logprobs(self, out: RequestOutput, start: int, top_n: int) -> dict[str, Any] | None:
+        """Chat format, tokens ``start:``: the sampled token's logprob, and ``top_logprobs``
+        = the ``top_n`` most likely tokens (the sampled one included when it is among them)."""
         lps = out.outputs[0].logprobs
         if lps is None:
             return None
+
+        def entry(tok: int, logprob: float | None) -> dict[str, Any]:
+            text = self._token_text(tok)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
         content = []
-        for t, lp in zip(out.token_ids, lps):
-            content.append({"token": self._token_text(t), "logprob": lp.get(t),
-                            "top_logprobs": [{"token": self._token_text(k), "logprob": v}
-                                             for k, v in lp.items() if k != t or len(lp) == 1]})
+        for t, lp in zip(out.token_ids[start:len(lps)], lps[start:]):
+            # The dict holds the sampled token and the top_n most likely; the top_n are the
+            # top_n largest values whether or not the sampled token is one of them.
+            top = sorted(lp.items(), key=lambda kv: -kv[1])[:top_n]
+            content.append({**entry(t, lp.get(t)), "top_logprobs": [entry(k, v) for k, v in top]})
         return {"content": content}
 
     async def tokenize(self, request: Request) -> Response:
