@@ -212,7 +212,8 @@ BAD = [
     ("/v1/nope", b"{}", 404, "not_found"),
     # Fields this server does not implement: 400 naming the field, never a 200 that ignores it.
     ("/v1/completions", json.dumps({"prompt": "a", "suffix": "b"}).encode(), 400, "unsupported_field"),
-    ("/v1/completions", json.dumps({"prompt": "a", "frequency_penalty": 0.5}).encode(), 400, "unsupported_field"),
+    ("/v1/completions", json.dumps({"prompt": "a", "frequency_penalty": 5}).encode(), 400, None),
+    ("/v1/completions", json.dumps({"prompt": "a", "logit_bias": {"99999999": 1}}).encode(), 400, None),
     ("/v1/completions", json.dumps({"prompt": "a", "no_such_field": 1}).encode(), 400, "unsupported_field"),
     ("/v1/completions", json.dumps({"prompt": "a", "stream": True, "stream_options": {
         "continuous_usage_stats": True}}).encode(), 400, "unsupported_field"),
@@ -238,7 +239,7 @@ def test_bad_input_gets_documented_error_and_server_survives(server, path, body,
 
 
 @pytest.mark.parametrize("field, value", [("tools", {"type": "function"}), ("tool_choice", "auto"),
-                                          ("logit_bias", {"5": 10}), ("presence_penalty", 1.0)])
+                                          ("best_of", 2), ("min_tokens", 3)])
 def test_unsupported_fields_through_the_openai_client_name_the_field(client, field, value):
     from openai import BadRequestError
 
@@ -463,3 +464,54 @@ def test_streamed_completion_logprobs_equal_the_non_streamed(client):
             toks += lp.tokens
             lps += lp.token_logprobs
     assert toks == full.tokens and lps == full.token_logprobs
+
+
+def test_echo_with_logprobs_scores_the_prompt_and_max_tokens_0_generates_nothing(client, offline):
+    prompt = "def add(a, b):\n    return a + b\n"
+    ref = offline.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))[0]
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1)
+    ch = out.choices[0]
+    assert ch.text.startswith(prompt) and len(ch.text) > len(prompt) - 1
+    n_prompt = len(ref.prompt_token_ids)
+    assert len(ch.logprobs.tokens) == n_prompt + out.usage.completion_tokens
+    assert ch.logprobs.token_logprobs[0] is None and ch.logprobs.top_logprobs[0] is None
+    for j in range(1, n_prompt):
+        assert abs(ch.logprobs.token_logprobs[j] - ref.prompt_logprobs[j][ref.prompt_token_ids[j]]) < 1e-4
+    scored = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+    sc = scored.choices[0]
+    assert sc.text == prompt and scored.usage.completion_tokens == 0 and sc.finish_reason == "length"
+    assert len(sc.logprobs.tokens) == n_prompt
+    assert sc.logprobs.token_logprobs[1:] == pytest.approx(ch.logprobs.token_logprobs[1:n_prompt], abs=1e-5)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=0, echo=True, stream=True) if c.choices)
+    assert streamed == prompt
+    full = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True, stream=True) if c.choices)
+    assert full == ch.text
+
+
+def test_echo_of_a_token_id_prompt_and_max_tokens_0_without_echo(client, server):
+    out = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=1, temperature=0, echo=True)
+    assert len(out.choices[0].text) > 0 and out.usage.prompt_tokens == 3
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_include_stop_str_in_output_is_honoured(client):
+    kw = dict(model="tiny", prompt="def add(a, b):", max_tokens=12, temperature=0)
+    free = client.completions.create(**kw).choices[0].text
+    stop = free[2:4]
+    cut = client.completions.create(**kw, stop=[stop]).choices[0].text
+    kept = client.completions.create(**kw, stop=[stop], extra_body={"include_stop_str_in_output": True}).choices[0]
+    assert kept.text == cut + stop
+
+
+def test_penalties_and_logit_bias_through_the_openai_client(client, offline):
+    kw = dict(model="tiny", prompt="def add(a, b):", max_tokens=5, temperature=0)
+    forced = client.completions.create(**kw, logit_bias={"42": 100})
+    assert forced.choices[0].text == offline.engine.tokenizer.decode([42] * 5)
+    ref = offline.generate(["def add(a, b):"], SamplingParams(max_tokens=5, temperature=0, frequency_penalty=1.5,
+                                                              presence_penalty=0.5, repetition_penalty=1.3))[0]
+    got = client.completions.create(**kw, frequency_penalty=1.5, presence_penalty=0.5,
+                                    extra_body={"repetition_penalty": 1.3})
+    assert got.choices[0].text == ref.text

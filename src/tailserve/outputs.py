@@ -28,6 +28,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # With SamplingParams(prompt_logprobs=k): per prompt token, its logprob and the k most
+    # likely at that position (None for the first token).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     metrics: RequestMetrics | None = None  # set on the final output when metrics are on

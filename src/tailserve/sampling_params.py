@@ -21,7 +21,8 @@ class SamplingParams:
     reproducible whatever else shares its batch. ``stop`` strings end the output (and are
     cut from the text unless ``include_stop_str_in_output``); ``stop_token_ids`` end it
     after that token. ``logprobs`` = k returns the sampled token's log-probability and the
-    k most likely tokens' at each step.
+    k most likely tokens' at each step; ``prompt_logprobs`` = k does the same for every prompt
+    token after the first (the first has no context to be predicted from), as vLLM's.
     """
 
     n: int = 1
@@ -35,6 +36,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # Penalties as OpenAI and vLLM define them (engine/logits_processors.py): presence and
+    # frequency over the generated tokens, repetition over prompt and generated tokens.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token id, bias); dict accepted
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -70,6 +78,36 @@ class SamplingParams:
                                           "stop_token_ids")
         object.__setattr__(self, "stop_token_ids", ids)
 
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_number(getattr(self, name), name)
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
+        _check_number(self.repetition_penalty, "repetition_penalty")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise InvalidRequestError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}",
+                                      "repetition_penalty")
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            bias = tuple(bias.items())
+        elif bias is None:
+            bias = ()
+        clean = []
+        for item in bias:
+            if not (isinstance(item, tuple | list) and len(item) == 2):
+                raise InvalidRequestError("logit_bias must map token ids to biases", "logit_bias")
+            tok, b = item
+            if isinstance(tok, str) and tok.strip().lstrip("-").isdigit():
+                tok = int(tok)  # JSON object keys are strings
+            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                raise InvalidRequestError(f"logit_bias keys must be token ids, got {tok!r}", "logit_bias")
+            _check_number(b, "logit_bias")
+            if not -100.0 <= b <= 100.0:
+                raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {b}", "logit_bias")
+            clean.append((tok, float(b)))
+        if len(clean) > 300:
+            raise InvalidRequestError("logit_bias takes at most 300 tokens", "logit_bias")
+        object.__setattr__(self, "logit_bias", tuple(clean))
+
         _check_int(self.n, "n", lo=1)
         if self.n != 1:
             raise InvalidRequestError("only n=1 is supported", "n")
@@ -90,6 +128,17 @@ class SamplingParams:
             _check_int(self.logprobs, "logprobs", lo=0)
             if self.logprobs > 20:
                 raise InvalidRequestError(f"logprobs must be at most 20, got {self.logprobs}", "logprobs")
+        if self.prompt_logprobs is not None:
+            _check_int(self.prompt_logprobs, "prompt_logprobs", lo=0)
+            if self.prompt_logprobs > 20:
+                raise InvalidRequestError(f"prompt_logprobs must be at most 20, got {self.prompt_logprobs}",
+                                          "prompt_logprobs")
+
+    @property
+    def has_logits_processors(self) -> bool:
+        """Penalties or a logit bias: the logits depend on the tokens so far."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     @property
     def greedy(self) -> bool:

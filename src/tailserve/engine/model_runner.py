@@ -14,6 +14,7 @@ room for them. Draft probabilities stay here. It never decides policy.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ import torch
 
 from tailserve.attention.backend import AttentionBackend
 from tailserve.attention.reference import TorchReferenceBackend
+from tailserve.engine.logits_processors import apply_logits_processors
 from tailserve.engine.sampler import Sampler, SamplingTensors, fast_argmax
 from tailserve.engine.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from tailserve.model.config import ModelArchConfig
@@ -45,6 +47,7 @@ class CachedRequestState:
     num_draft_seen: int = 0  # tokens whose K/V the draft model holds
     draft_token_ids: list[int] = field(default_factory=list)  # proposed last step, verified next
     draft_probs: torch.Tensor | None = None  # (k, V) q of those drafts; None = greedy or one-hot
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # gathered over prefill chunks
 
     @property
     def num_output_tokens(self) -> int:
@@ -122,6 +125,8 @@ class ModelRunner:
         query_lens, context_lens, tables = [], [], []
         positions: list[int] = []
         sample_rows: list[int] = []
+        # (state, its first row in this batch, its first position, rows to score, prompt done)
+        prompt_rows: list[tuple[CachedRequestState, int, int, int, bool]] = []
         sampled: list[CachedRequestState] = []
         num_drafts: list[int] = []
         drafts: list[list[int]] = []
@@ -136,6 +141,11 @@ class ModelRunner:
             query_lens.append(s.num_tokens)
             context_lens.append(s.start_pos + s.num_tokens)
             tables.append(st.block_ids)
+            if st.params.prompt_logprobs is not None and s.start_pos < st.num_prompt_tokens:
+                # Row p predicts prompt token p + 1; the last prompt row predicts the first output.
+                n_rows = min(s.start_pos + n_real, st.num_prompt_tokens - 1) - s.start_pos
+                done = s.start_pos + n_real >= st.num_prompt_tokens
+                prompt_rows.append((st, len(input_ids) - len(d) - n_real, s.start_pos, max(n_rows, 0), done))
             if s.sample:
                 k = len(d)
                 spec |= k > 0
@@ -147,6 +157,8 @@ class ModelRunner:
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
+        if prompt_rows:
+            self._prompt_logprobs(out, hidden, prompt_rows)
         if sampled:
             if len(sample_rows) < len(input_ids):
                 hidden = hidden[torch.tensor(sample_rows, device=self.device)]
@@ -164,6 +176,12 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, sampled: list[CachedRequestState], num_drafts: list[int],
                 drafts: list[list[int]], spec: bool) -> tuple[list[list[int]], list[list[int]]]:
         plist = [st.params for st in sampled]
+        if any(p.has_logits_processors for p in plist):
+            # Each request's last row (requests with processors have no drafts).
+            ends = list(itertools.accumulate(k + 1 for k in num_drafts))
+            logits = apply_logits_processors(logits, [e - 1 for e in ends], plist,
+                                             [st.token_ids[: st.num_prompt_tokens] for st in sampled],
+                                             [st.token_ids[st.num_prompt_tokens :] for st in sampled])
         if not spec:
             if all(p.greedy for p in plist):
                 tokens = fast_argmax(logits)  # the common all-greedy case: nothing to prepare
@@ -187,6 +205,24 @@ class ModelRunner:
         for k in num_drafts:
             starts.append(starts[-1] + k + 1)
         return emitted, [list(range(s, s + len(e))) for s, e in zip(starts, emitted)]
+
+    PROMPT_LOGPROB_ROWS = 256  # rows of logits at a time: (rows, V) float32 stays bounded
+
+    def _prompt_logprobs(self, out: ModelRunnerOutput, hidden: torch.Tensor,
+                         prompt_rows: list[tuple[CachedRequestState, int, int, int, bool]]) -> None:
+        for st, first, start_pos, n_rows, done in prompt_rows:
+            if start_pos == 0 or st.prompt_logprobs is None:  # a new prompt, or recomputed after preemption
+                st.prompt_logprobs = [None]  # the first prompt token has nothing before it
+            targets = st.token_ids[start_pos + 1 : start_pos + 1 + n_rows]
+            k = st.params.prompt_logprobs
+            for c in range(0, n_rows, self.PROMPT_LOGPROB_ROWS):
+                rows = torch.arange(first + c, first + min(c + self.PROMPT_LOGPROB_ROWS, n_rows), device=self.device)
+                logits = self.model.compute_logits(hidden[rows])
+                tgt = torch.tensor(targets[c : c + len(rows)], device=self.device)
+                st.prompt_logprobs.extend(Sampler.logprobs(logits, tgt, [k] * len(rows)))
+            if done:
+                out.prompt_logprobs[st.request_id] = st.prompt_logprobs
+                st.prompt_logprobs = None
 
     def _logprobs(self, out: ModelRunnerOutput, logits: torch.Tensor, sampled: list[CachedRequestState],
                   rows_of: list[list[int]], emitted: list[list[int]]) -> None:

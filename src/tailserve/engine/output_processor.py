@@ -55,6 +55,7 @@ class _State:
     num_preemptions: int = 0
     spec: tuple[int, int, int] = (0, 0, 0)  # drafts, draft tokens, accepted tokens
     max_stop_len: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class OutputProcessor:
@@ -119,6 +120,8 @@ class OutputProcessor:
         self._apply_events(st, co.events)
         if co.num_cached_tokens is not None:
             st.num_cached_tokens = co.num_cached_tokens
+        if co.prompt_logprobs is not None:
+            st.prompt_logprobs = co.prompt_logprobs
         if co.num_draft_tokens:
             d, t, a = st.spec
             st.spec = (d + 1, t + co.num_draft_tokens, a + co.num_accepted_tokens)
@@ -181,6 +184,7 @@ class OutputProcessor:
             finished=finished,
             num_cached_tokens=max(st.num_cached_tokens, 0),
             num_preemptions=st.num_preemptions,
+            prompt_logprobs=st.prompt_logprobs,
             delta_text=delta_text,
             delta_token_ids=new_ids,
             metrics=metrics,

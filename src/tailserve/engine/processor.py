@@ -68,6 +68,10 @@ class Processor:
             raise InvalidRequestError(
                 f"prompt + max_tokens needs {need_blocks} KV blocks but the cache holds "
                 f"{self.num_blocks}; raise --kv-cache-memory or lower max_tokens", "max_tokens")
+        for t, _ in params.logit_bias:
+            if t >= self.vocab_size:
+                raise InvalidRequestError(f"logit_bias token id {t} is outside the vocabulary ({self.vocab_size})",
+                                          "logit_bias")
         for t in params.stop_token_ids:
             if t >= self.vocab_size:
                 raise InvalidRequestError(f"stop token id {t} is outside the vocabulary ({self.vocab_size})",

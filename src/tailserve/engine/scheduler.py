@@ -216,6 +216,8 @@ class Scheduler:
             if not s.sample:
                 continue
             p = req.params
+            if p.has_logits_processors:
+                continue  # penalties depend on each verified position's history: no drafts
             kk = self.seeded_k if adaptive and p.seed is not None and not p.greedy else k
             # room_for_drafts before this step's tokens: an upper bound (the update trims).
             kk = min(kk, req.room_for_drafts)
@@ -239,7 +241,9 @@ class Scheduler:
         req.num_sent_blocks = len(req.block_ids)
 
     def _prefix_hits(self, req: Request) -> list[int]:
-        if not self.pool.enable_prefix_caching:
+        # A request that wants its prompt's logprobs needs logits at every prompt position,
+        # so none of its prompt may come from the cache (as vLLM).
+        if not self.pool.enable_prefix_caching or req.params.prompt_logprobs is not None:
             return []
         # At least one token must be computed to get logits, so the last token never hits.
         eligible = (req.num_tokens - 1) // self.block_size
@@ -296,6 +300,7 @@ class Scheduler:
             lps = result.logprobs.get(req.request_id)
             co = EngineCoreOutput(req.request_id, accepted, lps[: len(accepted)] if lps else None, finished,
                                   req.finish_reason, req.stop_reason, k, num_acc)
+            co.prompt_logprobs = result.prompt_logprobs.get(req.request_id)
             if not req.reported_cached:
                 co.num_cached_tokens = req.num_cached_tokens
                 req.reported_cached = True

@@ -79,6 +79,9 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    # Per request whose prompt finished this step and asked for them: one entry per prompt
+    # token (None for the first).
+    prompt_logprobs: dict[str, list[dict[int, float] | None]] = field(default_factory=dict)
     # Speculative decoding: the next round's drafts, the most each request's proposal could
     # make (its chain may stop sooner), and tokens whose draft-model K/V is now computed.
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
@@ -104,4 +107,5 @@ class EngineCoreOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit, on the request's first output
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # on the first output, when asked for
     events: list[tuple[str, int]] = field(default_factory=list)  # ("scheduled" | "preempted", ns)

@@ -185,13 +185,32 @@ class Server:
         outs = await self._collect(request, subs)
         choices = []
         for i, ((_, _, prep), out) in enumerate(zip(subs, outs)):
-            text = out.text
-            if greq.echo and prep.prompt is not None:
-                text = prep.prompt + text
-            choices.append({"index": i, "text": text, "finish_reason": out.finish_reason,
-                            "stop_reason": out.outputs[0].stop_reason,
-                            "logprobs": self._completion_logprobs(out, 0) if greq.logprobs is not None else None})
-        return self._final_json(rid, "text_completion", choices, outs)
+            text = "" if greq.score_only else out.text
+            lps = None
+            if greq.logprobs is not None:
+                lps = self._echo_logprobs(out) if greq.echo else self._completion_logprobs(out, 0)
+                if greq.echo and not greq.score_only:
+                    gen = self._completion_logprobs(out, 0)
+                    lps = {k: lps[k] + gen[k] for k in lps} if gen else lps
+            if greq.echo:
+                text = self._prompt_text(prep) + text
+            choices.append({"index": i, "text": text, "finish_reason": "length" if greq.score_only else
+                            out.finish_reason, "stop_reason": None if greq.score_only else out.outputs[0].stop_reason,
+                            "logprobs": lps})
+        return self._final_json(rid, "text_completion", choices, outs, score_only=greq.score_only)
+
+    def _prompt_text(self, prep) -> str:
+        if prep.prompt is not None:
+            return prep.prompt
+        return self.engine.tokenizer.decode(prep.prompt_token_ids, skip_special_tokens=False) \
+            if self.engine.tokenizer else ""
+
+    def _echo_logprobs(self, out: RequestOutput) -> dict[str, Any]:
+        """The prompt's tokens in the legacy logprobs format (None for the first token)."""
+        plp = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+        return {"tokens": [self._token_text(t) for t in out.prompt_token_ids],
+                "token_logprobs": [lp.get(t) if lp else None for t, lp in zip(out.prompt_token_ids, plp)],
+                "top_logprobs": [{self._token_text(k): v for k, v in lp.items()} if lp else None for lp in plp]}
 
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.perf_counter_ns()
@@ -214,9 +233,10 @@ class Server:
                   "logprobs": self._chat_logprobs(out, 0, greq.logprobs) if greq.logprobs is not None else None}
         return self._final_json(rid, "chat.completion", [choice], outs)
 
-    def _final_json(self, rid: str, obj: str, choices: list, outs: list[RequestOutput]) -> JSONResponse:
+    def _final_json(self, rid: str, obj: str, choices: list, outs: list[RequestOutput],
+                    score_only: bool = False) -> JSONResponse:
         prompt_tokens = sum(o.num_prompt_tokens for o in outs)
-        completion_tokens = sum(o.num_output_tokens for o in outs)
+        completion_tokens = 0 if score_only else sum(o.num_output_tokens for o in outs)
         slowest = max((o.metrics for o in outs if o.metrics is not None), key=lambda m: m.e2el_s, default=None)
         body = {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name, "choices": choices,
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -230,6 +250,7 @@ class Server:
         created = int(time.time())
         finals: list[RequestOutput] = []
         lp_sent: dict[int, int] = {}  # per choice: how many tokens' logprobs have been streamed
+        echoed: set[int] = set()  # choices whose prompt (echo) has been sent
         events = self._events(subs)
         try:
             if chat:
@@ -257,8 +278,18 @@ class Server:
                     choice: dict[str, Any] = {"index": index, "delta": {"content": out.delta_text},
                                               "logprobs": lps, "finish_reason": out.finish_reason}
                 else:
-                    choice = {"index": index, "text": out.delta_text, "finish_reason": out.finish_reason,
-                              "logprobs": lps}
+                    text, finish = out.delta_text, out.finish_reason
+                    if greq.score_only:  # nothing generated is shown: the prompt (below) and the end
+                        text, lps, finish = "", None, ("length" if out.finished else None)
+                        if not out.finished:
+                            continue
+                    if greq.echo and index not in echoed:  # the prompt leads the choice's first chunk
+                        echoed.add(index)
+                        text = self._prompt_text(subs[index][2]) + text
+                        if greq.logprobs is not None:
+                            plp = self._echo_logprobs(out)
+                            lps = {k: plp[k] + (lps[k] if lps else []) for k in plp}
+                    choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": lps}
                 chunk: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": self.model_name,
                                          "choices": [choice]}
                 if out.finished:
@@ -267,7 +298,7 @@ class Server:
                 yield self._sse(chunk)
             if greq.include_usage:
                 p = sum(o.num_prompt_tokens for o in finals)
-                c = sum(o.num_output_tokens for o in finals)
+                c = 0 if greq.score_only else sum(o.num_output_tokens for o in finals)
                 yield self._sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
                                  "choices": [], "usage": {"prompt_tokens": p, "completion_tokens": c,
                                                           "total_tokens": p + c}})

@@ -6,9 +6,8 @@ semantic problems are HTTP 400; both come back in OpenAI's error format, naming 
 The field rule (docs/server.md lists every field): a body may carry only the fields its
 endpoint reads. A field this server does not implement is rejected with 400 naming it,
 never accepted and ignored, with one exception: a sampling field at its neutral value
-(``presence_penalty: 0``, ``repetition_penalty: 1``, ``n: 1``, ``logit_bias: {}``, ...)
-asks for nothing, so it is accepted (``vllm bench serve`` sends ``repetition_penalty: 1.0``
-with every request). Unknown fields are rejected the same way, as OpenAI's API does.
+(``n: 1``, ``best_of: 1``, ``tools: []``, ...) asks for nothing, so it is accepted.
+Unknown fields are rejected the same way, as OpenAI's API does.
 """
 
 from __future__ import annotations
@@ -58,17 +57,17 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
 # Fields each endpoint reads (besides the neutral ones below).
 COMPLETION_FIELDS = frozenset({
     "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-    "ignore_eos", "logprobs", "echo", "stream", "stream_options", "n", "user"})
+    "ignore_eos", "logprobs", "echo", "stream", "stream_options", "n", "user", "skip_special_tokens",
+    "include_stop_str_in_output", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"})
 CHAT_FIELDS = frozenset({
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
     "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "stream", "stream_options", "n", "user",
-    "response_format"})
+    "response_format", "skip_special_tokens", "include_stop_str_in_output", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "logit_bias"})
 # Accepted only at the value that asks for nothing (None is always neutral).
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-    "best_of": (1,), "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (False,),
-    "min_tokens": (0,), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
-    "include_stop_str_in_output": (False,), "add_special_tokens": (True,),
+    "best_of": (1,), "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (False,),
+    "min_tokens": (0,), "spaces_between_special_tokens": (True,), "add_special_tokens": (True,),
 }
 STREAM_OPTIONS = frozenset({"include_usage"})
 
@@ -114,9 +113,13 @@ class GenerationRequest:
     echo: bool
     model: str | None
     logprobs: int | None
+    # max_tokens 0 with echo: score the prompt, generate nothing. The engine samples one
+    # token it then drops (a prefill produces one anyway); the response carries none of it.
+    score_only: bool = False
 
 
-def sampling_params(body: dict[str, Any], chat: bool) -> tuple[SamplingParams, int | None]:
+def sampling_params(body: dict[str, Any], chat: bool) -> tuple[SamplingParams, int | None, bool]:
+    """(params, logprobs, score_only)."""
     if chat:
         max_tokens = field(body, "max_completion_tokens", "int", None)
         if max_tokens is None:
@@ -127,6 +130,13 @@ def sampling_params(body: dict[str, Any], chat: bool) -> tuple[SamplingParams, i
     else:
         max_tokens = field(body, "max_tokens", "int", None)
         logprobs = field(body, "logprobs", "int", None)
+    echo = not chat and field(body, "echo", "bool", False)
+    score_only = max_tokens == 0 and echo
+    if max_tokens == 0 and not echo:
+        raise APIError(400, "max_tokens 0 generates nothing; it is meaningful only with echo (scoring a prompt)",
+                       "max_tokens")
+    if score_only:
+        max_tokens = 1
     temperature = field(body, "temperature", "number", 1.0)
     if temperature > 2.0:
         raise APIError(400, f"temperature must be in [0, 2], got {temperature}", "temperature")
@@ -153,10 +163,18 @@ def sampling_params(body: dict[str, Any], chat: bool) -> tuple[SamplingParams, i
             stop_token_ids=field(body, "stop_token_ids", "list", ()),
             ignore_eos=field(body, "ignore_eos", "bool", False),
             logprobs=logprobs,
+            # echo with logprobs returns the prompt tokens' logprobs too (OpenAI's legacy API).
+            prompt_logprobs=logprobs if echo and logprobs is not None else None,
+            skip_special_tokens=field(body, "skip_special_tokens", "bool", True),
+            presence_penalty=field(body, "presence_penalty", "number", 0.0),
+            frequency_penalty=field(body, "frequency_penalty", "number", 0.0),
+            repetition_penalty=field(body, "repetition_penalty", "number", 1.0),
+            logit_bias=field(body, "logit_bias", "dict", {}),
+            include_stop_str_in_output=field(body, "include_stop_str_in_output", "bool", False),
         )
     except InvalidRequestError as e:
         raise APIError(400, str(e), e.param) from None
-    return params, logprobs
+    return params, logprobs, score_only
 
 
 def completion_request(body: dict[str, Any]) -> GenerationRequest:
@@ -178,8 +196,10 @@ def completion_request(body: dict[str, Any]) -> GenerationRequest:
     else:
         raise APIError(422, "'prompt' must be a string, a list of token ids, or a list of those", "prompt",
                        code="invalid_type")
-    params, logprobs = sampling_params(body, chat=False)
-    return _common(body, prompts, params, logprobs)
+    params, logprobs, score_only = sampling_params(body, chat=False)
+    greq = _common(body, prompts, params, logprobs)
+    greq.score_only = score_only
+    return greq
 
 
 def _common(body, prompts, params, logprobs) -> GenerationRequest:
@@ -225,5 +245,5 @@ def chat_request(body: dict[str, Any]) -> tuple[list[dict[str, str]], Generation
             raise APIError(400, f"messages[{i}].role {m['role']!r} is not one of system, user, assistant, tool",
                            "messages")
         clean.append({"role": m["role"], "content": content})
-    params, logprobs = sampling_params(body, chat=True)
+    params, logprobs, _ = sampling_params(body, chat=True)
     return clean, _common(body, [], params, logprobs)
