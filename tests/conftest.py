@@ -122,3 +122,32 @@ def noisy_draft(tmp_path_factory):
         for p in hf.parameters():
             p.add_(torch.randn(p.shape, generator=g) * p.std() * 0.15)
     return save_checkpoint(hf, tmp_path_factory.mktemp("noisy_draft"))
+
+
+@pytest.fixture
+def headless_chromium(tmp_path):
+    """A Selenium driver for Debian's Chromium, headless (CI installs chromium and
+    chromium-driver; elsewhere the test is skipped when they are missing)."""
+    import os
+    import shutil
+
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    chromedriver = shutil.which("chromedriver")
+    if not (browser and chromedriver):
+        if os.environ.get("CI"):
+            pytest.fail("CI must install Debian's chromium and chromium-driver (.ci/run does)")
+        pytest.skip("chromium / chromedriver not installed (apt-get install chromium chromium-driver)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = browser
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--no-first-run", f"--user-data-dir={tmp_path / 'chromium-profile'}"):
+        opts.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(chromedriver), options=opts)
+    try:
+        yield driver
+    finally:
+        driver.quit()

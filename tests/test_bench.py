@@ -10,9 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import pathlib
-import shutil
 import struct
 import subprocess
 import sys
@@ -286,41 +284,18 @@ def test_plots_are_pngs_of_the_stated_size(two_results):
         assert len(data) > 5000 and _png_size(data) == (800, 480)
 
 
-def _chromium() -> tuple[str, str] | None:
-    browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver = shutil.which("chromedriver")
-    return (browser, driver) if browser and driver else None
-
-
-def test_html_report_shows_its_plots_in_headless_chromium(two_results, tmp_path):
-    found = _chromium()
-    if found is None:
-        if os.environ.get("CI"):
-            pytest.fail("CI must install Debian's chromium and chromium-driver (.ci/run does)")
-        pytest.skip("chromium / chromedriver not installed (apt-get install chromium chromium-driver)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
+def test_html_report_shows_its_plots_in_headless_chromium(two_results, tmp_path, headless_chromium):
+    driver = headless_chromium
     page = tmp_path / "report.html"
     page.write_text(html_report(two_results, command="tailserve bench ..."))
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = found[0]
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}"):
-        opts.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(found[1]), options=opts)
-    try:
-        driver.get(page.as_uri())
-        assert driver.title == "tailserve bench report"
-        sizes = driver.execute_script(
-            "return Array.from(document.images).map(i => [i.id, i.complete, i.naturalWidth, i.naturalHeight])")
-        assert {s[0] for s in sizes} == {"plot-ttft_cdf", "plot-tpot_cdf", "plot-phases", "plot-latency_vs_rate"}
-        assert all(s[1] and s[2] == 800 and s[3] == 480 for s in sizes), sizes
-        text = driver.find_element("tag name", "body").text
-        assert "network" in text and "40 req/s" in text and "Slowest requests" in text
-    finally:
-        driver.quit()
+    driver.get(page.as_uri())
+    assert driver.title == "tailserve bench report"
+    sizes = driver.execute_script(
+        "return Array.from(document.images).map(i => [i.id, i.complete, i.naturalWidth, i.naturalHeight])")
+    assert {s[0] for s in sizes} == {"plot-ttft_cdf", "plot-tpot_cdf", "plot-phases", "plot-latency_vs_rate"}
+    assert all(s[1] and s[2] == 800 and s[3] == 480 for s in sizes), sizes
+    text = driver.find_element("tag name", "body").text
+    assert "network" in text and "40 req/s" in text and "Slowest requests" in text
 
 
 def test_compare_flags_noise_and_real_differences(two_results):

@@ -74,3 +74,18 @@ def test_cli_analyze(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["stranded_bytes"] == 11 * MiB
     (tmp_path / "bad.pickle").write_bytes(b"not a pickle")
     assert main(["memory", "analyze", str(tmp_path / "bad.pickle")]) == 2
+
+
+def test_html_page_of_an_analysis_in_headless_chromium(tmp_path, headless_chromium):
+    path = tmp_path / "snap.pickle"
+    path.write_bytes(pickle.dumps(SNAP))
+    page = tmp_path / "analysis.html"
+    assert main(["memory", "analyze", str(path), "--html", str(page)]) == 0
+    driver = headless_chromium
+    driver.get(page.as_uri())
+    img = driver.execute_script("const i = document.getElementById('segment-map'); "
+                                "return [i.complete, i.naturalWidth, i.naturalHeight]")
+    assert img[0] and img[1] == 1024 and img[2] > 0
+    text = driver.find_element("tag name", "body").text
+    assert "stranded in split segments" in text and "11.0 MiB" in text and "model.py:10" in text
+    assert "large/stream 0" in text or "large" in text

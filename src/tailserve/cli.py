@@ -192,7 +192,7 @@ def _cmd_memory_analyze(args: argparse.Namespace) -> int:
     import json
     import pathlib
 
-    from tailserve.memory.allocator.analyze import analyze_snapshot, format_report, segment_map_png
+    from tailserve.memory.allocator.analyze import analyze_snapshot, format_report, html_report, segment_map_png
     from tailserve.memory.allocator.snapshot import load_snapshot
 
     snap = load_snapshot(args.snapshot)
@@ -202,6 +202,10 @@ def _cmd_memory_analyze(args: argparse.Namespace) -> int:
         pathlib.Path(args.png).write_bytes(segment_map_png(snap))
         if not args.json:
             print(f"segment map: {args.png}")
+    if args.html:
+        pathlib.Path(args.html).write_text(html_report(a, snap, title=f"tailserve memory analysis: {args.snapshot}"))
+        if not args.json:
+            print(f"HTML page: {args.html}")
     return 0
 
 
@@ -331,6 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     ana = mem_sub.add_parser("analyze", help="explain a PyTorch memory snapshot: pools, stranded bytes, sites, a map")
     ana.add_argument("snapshot", help="a pickle from torch.cuda.memory._dump_snapshot (loaded as plain data only)")
     ana.add_argument("--png", help="also write the segment map as a PNG here")
+    ana.add_argument("--html", help="also write one self-contained HTML page of the analysis here")
     ana.add_argument("--top", type=int, default=10, help="allocation sites to list")
     ana.add_argument("--json", action="store_true")
     ana.set_defaults(func=_cmd_memory_analyze)

@@ -196,3 +196,46 @@ def segment_map_png(snap: dict[str, Any], width: int = 1024, row: int = 10, gap:
 
     return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
             + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b""))
+
+
+def html_report(a: SnapshotAnalysis, snap: dict[str, Any], title: str = "tailserve memory analysis") -> str:
+    """One self-contained page: the figures, the pools, the allocation sites and the segment
+    map (embedded PNG, with its legend)."""
+    import base64
+    import html
+
+    mib = 1 << 20
+
+    def table(head: list[str], rows: list[list[str]]) -> str:
+        th = "".join(f"<th>{html.escape(h)}</th>" for h in head)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
+        return f"<table><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>"
+
+    peak = "n/a (no device_traces)" if a.one_minus_peak_ratio is None else f"{a.one_minus_peak_ratio:.3f}"
+    figures = [["segments", str(a.num_segments)], ["reserved", f"{a.reserved_bytes / mib:.1f} MiB"],
+               ["allocated", f"{a.allocated_bytes / mib:.1f} MiB"], ["active", f"{a.active_bytes / mib:.1f} MiB"],
+               ["stranded in split segments", f"{a.stranded_bytes / mib:.1f} MiB"],
+               ["largest free block", f"{a.largest_free_block / mib:.1f} MiB"],
+               ["inactive split / reserved (the alert's measure)", f"{a.inactive_split_over_reserved:.3f}"],
+               ["(reserved - allocated) / reserved", f"{a.unallocated_over_reserved:.3f}"],
+               ["1 - peak active / peak reserved", peak]]
+    pools = [[k, str(p.segments), f"{p.reserved_bytes / mib:.1f}", f"{p.allocated_bytes / mib:.1f}",
+              f"{p.stranded_bytes / mib:.1f}"] for k, p in sorted(a.pools.items())]
+    sites = [[f"{b / mib:.1f}", s] for s, b in a.top_sites]
+    png = base64.b64encode(segment_map_png(snap)).decode()
+    legend = ", ".join(f"<span style='color:rgb{_COLORS[k]}'>&#9632;</span> {name}" for k, name in (
+        ("allocated", "allocated"), ("pending", "freed, pending on a stream"), ("stranded", "stranded (free in a "
+                                                                                           "split segment)"),
+        ("free", "free whole segment")))
+    settings = html.escape(str(a.allocator_settings)) if a.allocator_settings else "(not recorded)"
+    css = ("body{font-family:system-ui,sans-serif;margin:2em;max-width:1100px}table{border-collapse:collapse;"
+           "margin:1em 0;font-size:13px}th,td{border:1px solid #ccc;padding:3px 8px;text-align:left}"
+           "th{background:#f3f3f3}img{max-width:100%;border:1px solid #ddd}")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{css}</style></head><body><h1>{html.escape(title)}</h1>"
+            f"<h2>Figures</h2>{table(['measure', 'value'], figures)}"
+            f"<h2>Pools</h2>{table(['pool', 'segments', 'reserved MiB', 'allocated MiB', 'stranded MiB'], pools)}"
+            f"<h2>Top allocation sites</h2>{table(['allocated MiB', 'site'], sites) if sites else '<p>none</p>'}"
+            f"<h2>Segment map</h2><p>One row per segment, largest first, one scale for all: {legend}.</p>"
+            f"<img id='segment-map' alt='segment map' src='data:image/png;base64,{png}'>"
+            f"<h2>Allocator settings</h2><p>{settings}</p></body></html>")
