@@ -188,6 +188,27 @@ def _cmd_memory_recommend(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_memory_record(args: argparse.Namespace) -> int:
+    from tailserve.bench.datasets import DatasetConfig, load_dataset
+    from tailserve.engine.llm import LLM
+    from tailserve.memory.allocator.record import record_generation_trace, write_jsonl
+    from tailserve.sampling_params import SamplingParams
+
+    llm = LLM(args.model, **_engine_kwargs(args))
+    if llm.engine.tokenizer is None:
+        raise ConfigError("memory record builds its prompts with the model's tokenizer; this model has none")
+    prompts = [r.prompt for r in load_dataset(DatasetConfig(name="python", num_prompts=args.num_prompts,
+                                                            input_len=args.input_len, seed=args.seed),
+                                              llm.engine.tokenizer)]
+    events = record_generation_trace(llm, prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0,
+                                                                  ignore_eos=True))
+    write_jsonl(events, args.out)
+    allocs = [e for e in events if e.action == "alloc"]
+    print(f"{len(events)} events ({len(allocs)} allocations, largest {max((e.size for e in allocs), default=0)} "
+          f"bytes) from {args.num_prompts} prompts x {args.max_tokens} tokens: {args.out}")
+    return 0
+
+
 def _cmd_memory_analyze(args: argparse.Namespace) -> int:
     import json
     import pathlib
@@ -332,6 +353,14 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--memory-fraction", type=float, default=None)
     rec.add_argument("--json", action="store_true")
     rec.set_defaults(func=_cmd_memory_recommend)
+    rec_t = mem_sub.add_parser("record", help="record the engine's own allocation trace (CPU, torch.profiler) "
+                                               "for simulate / recommend")
+    rec_t.add_argument("--out", required=True, help="JSONL trace to write")
+    rec_t.add_argument("--num-prompts", type=int, default=16, help="Python prompts generated in one batch")
+    rec_t.add_argument("--input-len", type=int, default=128, help="prompt tokens (at most)")
+    rec_t.add_argument("--max-tokens", type=int, default=32)
+    rec_t.set_defaults(func=_cmd_memory_record)
+    _add_engine_args(rec_t)
     ana = mem_sub.add_parser("analyze", help="explain a PyTorch memory snapshot: pools, stranded bytes, sites, a map")
     ana.add_argument("snapshot", help="a pickle from torch.cuda.memory._dump_snapshot (loaded as plain data only)")
     ana.add_argument("--png", help="also write the segment map as a PNG here")
