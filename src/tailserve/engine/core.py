@@ -7,9 +7,12 @@ ids and why a request finished; text, stop strings and metrics are the output pr
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+
+import torch
 
 from tailserve.config import EngineConfig
 from tailserve.engine.processor import PreparedRequest
@@ -21,6 +24,8 @@ from tailserve.errors import InvalidRequestError, TailserveError
 from tailserve.memory.block_pool import BlockPool
 from tailserve.metrics.timeline import StepStats
 from tailserve.speculative.adaptive import AdaptiveSpeculation
+
+log = logging.getLogger("tailserve.engine")
 
 
 class EngineStepError(TailserveError):
@@ -56,6 +61,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, self.block_pool, speculation)
         self.step_log: deque[StepStats] = deque(maxlen=4096)
         self.num_steps = 0
+        self.num_oom_preemptions = 0  # requests preempted because a step ran out of device memory
         self._pending_timing: _StepTiming | None = None
 
     # -- requests --------------------------------------------------------------------------
@@ -85,6 +91,18 @@ class EngineCore:
         except TailserveError:
             raise
         except Exception as e:
+            if _is_out_of_memory(e) and len(sched.scheduled) > 1 and not self.worker.runner.advanced:
+                # Out of device memory with several requests in the step, before the worker
+                # applied any result: give memory back and preempt the newest half; the rest
+                # run the same step again next time. (An OOM after that point, in the draft
+                # proposal, fails the step's requests as any other error does.)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                victims = self.scheduler.preempt_after_failed_step(sched, time.perf_counter_ns())
+                self.num_oom_preemptions += len(victims)
+                log.warning("out of memory in a step of %d requests: preempted %s (recomputed later)",
+                            len(sched.scheduled), ", ".join(victims))
+                return []
             ids = [s.request_id for s in sched.scheduled]
             for rid in ids:
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
@@ -130,3 +148,10 @@ class EngineCore:
             kv_blocks_used=self.block_pool.num_used_blocks, kv_blocks_total=self.block_pool.num_blocks,
             kv_token_utilization=live / slots if slots else 0.0, num_preemptions=preemptions,
         ))
+
+
+def _is_out_of_memory(e: BaseException) -> bool:
+    """PyTorch's out-of-memory error (CUDA, or another device that raises the same type)."""
+    oom = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
+    return (oom is not None and isinstance(e, oom)) or ("out of memory" in str(e).lower() and isinstance(
+        e, RuntimeError))

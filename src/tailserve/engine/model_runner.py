@@ -58,6 +58,7 @@ class ModelRunner:
     def __init__(self, model: LlamaFamilyModel, arch: ModelArchConfig, kv_caches: list[torch.Tensor],
                  block_size: int, device: torch.device, seed: int = 0, max_model_len: int | None = None,
                  proposer: Proposer | None = None, attn_backend: AttentionBackend | None = None) -> None:
+        self.advanced = False
         self.model = model
         self.arch = arch
         self.kv_caches = kv_caches
@@ -115,6 +116,7 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. Requests with draft tokens are verified: their last k+1 positions
         are sampled through the rejection sampler."""
+        self.advanced = False  # set once this step's results are applied to the persistent state
         self._apply(sched)
         self.last_propose_s = 0.0
         out = ModelRunnerOutput()
@@ -236,6 +238,7 @@ class ModelRunner:
     def _advance(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> None:
         """Apply this step to the persistent state: computed tokens, sampled tokens, and the
         drafts consumed (verified, or dropped by the scheduler for lack of budget)."""
+        self.advanced = True
         uses_draft_kv = isinstance(self.proposer, DraftModelProposer | HybridProposer)
         for s in sched.scheduled:
             st = self.requests[s.request_id]

@@ -53,6 +53,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_since_step: list[str] = []
+        self._preempted_since_step: list[str] = []
         self.num_preemptions = 0
         # Speculative decoding (None: off). Seeded sampled requests draft a fixed k when k is
         # adaptive: the controller's choice depends on measured times, a seeded output must not.
@@ -128,10 +129,28 @@ class Scheduler:
         req.events.append(("preempted", now_ns))
         self.waiting.appendleft(req)
 
+    def preempt_after_failed_step(self, sched: SchedulerOutput, now_ns: int) -> list[str]:
+        """A step ran out of device memory: preempt the newest half (at least one) of the
+        requests it scheduled, so the next step asks for less. Nothing of the failed step was
+        applied (``update`` never ran), so the others simply run it again; the worker drops
+        the victims' state when the next step's ``preempted_ids`` reach it."""
+        scheduled = {s.request_id for s in sched.scheduled}
+        mine = [r for r in reversed(self.running) if r.request_id in scheduled]
+        victims = mine[: max(1, len(mine) // 2)]
+        for v in victims:
+            self.running.remove(v)
+            self._preempt(v, now_ns)
+            self._preempted_since_step.append(v.request_id)
+        return [v.request_id for v in victims]
+
     def schedule(self, now_ns: int | None = None) -> SchedulerOutput:
         now_ns = time.perf_counter_ns() if now_ns is None else now_ns
         out = SchedulerOutput(finished_ids=self._finished_since_step)
         self._finished_since_step = []
+        # Preempted outside a schedule (an out-of-memory step): the worker must hear of it,
+        # and nothing new is admitted this step.
+        out.preempted_ids.extend(self._preempted_since_step)
+        self._preempted_since_step = []
         budget = self.config.max_num_batched_tokens
         chosen: list[Request] = []
 
