@@ -242,43 +242,34 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-class _DefaultsFormatter(argparse.HelpFormatter):
-    """Every option's help ends with its default (argparse's own formatter skips options
-    that have no help text)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "%(default)" in text or action.default in (None, argparse.SUPPRESS, False) or not action.option_strings:
-            return text
-        return f"{text} (default: %(default)s)".strip()
+def _option_actions(parser: argparse.ArgumentParser):
+    """Every option of the parser and of its sub-commands, however deep."""
+    stack = [parser]
+    while stack:
+        p = stack.pop()
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                stack.extend(action.choices.values())
+            elif action.option_strings:
+                yield action
 
 
 def _help_for_defaults(parser: argparse.ArgumentParser) -> None:
-    """Options without help text get one that shows their default (argparse prints nothing
-    for an option whose help is empty)."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                _help_for_defaults(sub)
-        elif action.help is None and action.option_strings and action.default not in (None, False,
-                                                                                      argparse.SUPPRESS):
-            action.help = "(default: %(default)s)"
+    """Every option's help ends with its default (argparse shows none by itself, and its
+    defaults formatter skips options without help text)."""
+    for action in _option_actions(parser):
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text or text == argparse.SUPPRESS:
+            continue
+        action.help = f"{text} (default: %(default)s)".strip()
 
 
 def build_parser() -> argparse.ArgumentParser:
     import tailserve
 
-    fmt = _DefaultsFormatter
-    parser = argparse.ArgumentParser(prog="tailserve", description="LLM inference engine and performance toolkit",
-                                     formatter_class=fmt)
+    parser = argparse.ArgumentParser(prog="tailserve", description="LLM inference engine and performance toolkit")
     parser.add_argument("--version", action="version", version=f"tailserve {tailserve.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_parser = sub.add_parser
-
-    def add_parser(name: str, **kw):  # every sub-command's --help shows the defaults
-        return _add_parser(name, formatter_class=fmt, **kw)
-
-    sub.add_parser = add_parser  # type: ignore[method-assign]
 
     gen = sub.add_parser("generate", help="complete prompts with a local model")
     gen.add_argument("prompts", nargs="+", help="prompt text(s)")
@@ -318,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "time went (no --url: starts tailserve serve itself)")
     add_bench_args(bench)
     bench_sub = bench.add_subparsers(dest="bench_command", required=False)
-    cmp_ = bench_sub.add_parser("compare", formatter_class=fmt,
+    cmp_ = bench_sub.add_parser("compare",
                                 help="compare two result JSONs, flagging differences inside noise")
     add_compare_args(cmp_)
     bench.set_defaults(func=_cmd_bench)
@@ -333,8 +324,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     mem = sub.add_parser("memory", help="PyTorch CUDA caching-allocator tools")
     mem_sub = mem.add_subparsers(dest="memory_command", required=True)
-    _add_mem = mem_sub.add_parser
-    mem_sub.add_parser = lambda name, **kw: _add_mem(name, formatter_class=fmt, **kw)  # type: ignore[method-assign]
     sim = mem_sub.add_parser("simulate", help="replay an allocation trace through a model of the caching "
                                               "allocator, once per PYTORCH_CUDA_ALLOC_CONF")
     sim.add_argument("trace", help="JSONL trace ({action, addr, size, stream} per line) or a PyTorch memory "
@@ -381,14 +370,9 @@ def _name_flags(message: str, parser: argparse.ArgumentParser) -> str:
     import re
 
     flags: dict[str, str] = {}
-    stack = [parser]
-    while stack:
-        p = stack.pop()
-        for action in p._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                stack.extend(action.choices.values())
-            elif action.option_strings and "_" in action.dest:
-                flags.setdefault(action.dest, max(action.option_strings, key=len))
+    for action in _option_actions(parser):
+        if "_" in action.dest:
+            flags.setdefault(action.dest, max(action.option_strings, key=len))
     flags.update(_FIELD_FLAGS)
     for name in sorted(flags, key=len, reverse=True):
         message = re.sub(rf"(?<![-\w]){re.escape(name)}(?![\w])", flags[name], message)

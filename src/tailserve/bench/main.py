@@ -138,7 +138,6 @@ class _Progress:
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled and sys.stderr.isatty()
-        self._progress = None
 
     @contextlib.contextmanager
     def run(self, label: str, total: int) -> Iterator[Callable[[Any], None]]:

@@ -132,9 +132,9 @@ def join_server_timings(records: Sequence[RequestRecord]) -> list[RequestMetrics
 
 
 def attribution(records: Sequence[RequestRecord], send_lag_p99_s: float | None,
-                speculative: bool = False) -> dict[str, Any]:
+                speculative: bool = False, joined: list[RequestMetrics] | None = None) -> dict[str, Any]:
     ok = [r for r in records if r.success]
-    joined = join_server_timings(records)
+    joined = join_server_timings(records) if joined is None else joined
     if not joined:
         return {"attributable": False, "verdict": NOT_ATTRIBUTABLE, "num_joined": 0, "num_successful": len(ok)}
     tail = attribute_tail(joined, speculative=speculative)
@@ -157,13 +157,11 @@ def attribution(records: Sequence[RequestRecord], send_lag_p99_s: float | None,
     }
 
 
-def per_request_phases(records: Sequence[RequestRecord]) -> list[dict[str, float] | None]:
-    out: list[dict[str, float] | None] = []
-    joined = {m.request_id: m for m in join_server_timings(records)}
-    for r in records:
-        m = joined.get(r.request_id)
-        out.append({k: v * 1e3 for k, v in phase_times(m).items()} if m else None)
-    return out
+def per_request_phases(records: Sequence[RequestRecord],
+                       joined: list[RequestMetrics] | None = None) -> list[dict[str, float] | None]:
+    by_id = {m.request_id: m for m in (join_server_timings(records) if joined is None else joined)}
+    return [{k: v * 1e3 for k, v in phase_times(by_id[r.request_id]).items()} if r.request_id in by_id else None
+            for r in records]
 
 
 def build_result(run: LoadRun, percentile_metrics: Sequence[str], percentiles: Sequence[float],
@@ -228,8 +226,9 @@ def build_result(run: LoadRun, percentile_metrics: Sequence[str], percentiles: S
         "saturated": bool(lag_p99 is not None and lag_p99 > SATURATED_SEND_LAG_S),
     }
     result["server_metrics_available"] = run.counters.available
-    result["attribution"] = attribution(records, lag_p99,
-                                        speculative=bool(counters.get("spec_decode_draft_tokens")))
-    phases = per_request_phases(records)
+    joined = join_server_timings(records)
+    result["attribution"] = attribution(records, lag_p99, speculative=bool(counters.get("spec_decode_draft_tokens")),
+                                        joined=joined)
+    phases = per_request_phases(records, joined)
     result["requests"] = [{**r.as_dict(), "phases_ms": ph} for r, ph in zip(records, phases)]
     return result
