@@ -151,7 +151,10 @@ def test_failed_batch_leaves_nothing_queued(llm):
     (dict(stop_token_ids=["x"]), "stop_token_ids"),
     (dict(stop_token_ids=3), "stop_token_ids"),
     (dict(logprobs=-1), "logprobs"),
-    (dict(n=2), "n"),
+    (dict(n=0), "n"),
+    (dict(n=129), "n"),
+    (dict(n=3, best_of=2), "best_of"),
+    (dict(best_of=1.5), "best_of"),
 ])
 def test_bad_sampling_params(kwargs, param):
     with pytest.raises(InvalidRequestError) as e:

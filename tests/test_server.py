@@ -102,6 +102,50 @@ def test_streamed_completion_equals_non_streamed(client):
     assert last.model_extra["timing"]["output_tokens"] == full.usage.completion_tokens
 
 
+def test_n_samples_through_the_openai_client(client, offline):
+    ref = offline.generate(PROMPTS[:2], SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=8))
+    out = client.completions.create(model="tiny", prompt=PROMPTS[:2], n=3, temperature=1.0, seed=3, max_tokens=8)
+    # OpenAI's order: prompt by prompt, n choices each.
+    assert [c.index for c in out.choices] == list(range(6))
+    assert [c.text for c in out.choices] == [c.text for r in ref for c in r.outputs]
+    assert out.usage.completion_tokens == sum(r.num_output_tokens for r in ref)
+    assert out.usage.prompt_tokens == sum(r.num_prompt_tokens for r in ref)  # each prompt counted once
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[:2], n=3, temperature=1.0, seed=3,
+                                            max_tokens=8, stream=True, stream_options={"include_usage": True}))
+    texts = [""] * 6
+    finishes = [None] * 6
+    for ch in chunks:
+        for c in ch.choices:
+            texts[c.index] += c.text
+            if c.finish_reason is not None:
+                assert finishes[c.index] is None  # each choice ends once
+                finishes[c.index] = c.finish_reason
+    assert texts == [c.text for c in out.choices] and finishes == [c.finish_reason for c in out.choices]
+    assert chunks[-1].usage.completion_tokens == out.usage.completion_tokens
+
+
+def test_chat_n_samples_streamed_and_not(client):
+    messages = [{"role": "user", "content": "add two numbers"}]
+    full = client.chat.completions.create(model="tiny", messages=messages, n=2, temperature=1.0, seed=8, max_tokens=8,
+                                          logprobs=True, top_logprobs=1)
+    assert [c.index for c in full.choices] == [0, 1]
+    assert sum(len(c.logprobs.content) for c in full.choices) == full.usage.completion_tokens
+    texts = ["", ""]
+    for ch in client.chat.completions.create(model="tiny", messages=messages, n=2, temperature=1.0, seed=8,
+                                             max_tokens=8, stream=True):
+        for c in ch.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == [c.message.content for c in full.choices]
+
+
+def test_best_of_returns_n_of_the_samples(client):
+    out = client.completions.create(model="tiny", prompt=PROMPTS[0], n=2, best_of=4, temperature=1.0, seed=2,
+                                    max_tokens=6, logprobs=0)
+    assert [c.index for c in out.choices] == [0, 1]
+    means = [sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in out.choices]
+    assert means[0] >= means[1]  # best first
+
+
 def test_chat_streamed_and_not(client, offline):
     messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "add two numbers"}]
     full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
@@ -203,7 +247,9 @@ BAD = [
     ("/v1/completions", json.dumps({"prompt": "a", "max_tokens": -5}).encode(), 400, None),
     ("/v1/completions", json.dumps({"prompt": "a", "temperature": 10}).encode(), 400, None),
     ("/v1/completions", json.dumps({"prompt": "a", "top_p": 0}).encode(), 400, None),
-    ("/v1/completions", json.dumps({"prompt": "a", "n": 3}).encode(), 400, None),
+    ("/v1/completions", json.dumps({"prompt": "a", "n": 200}).encode(), 400, None),
+    ("/v1/completions", json.dumps({"prompt": "a", "n": 3, "best_of": 2}).encode(), 400, None),
+    ("/v1/completions", json.dumps({"prompt": "a", "n": 1, "best_of": 2, "stream": True}).encode(), 400, None),
     ("/v1/completions", json.dumps({"prompt": [5] * 600, "max_tokens": 4}).encode(), 400, None),
     ("/v1/completions", json.dumps({"prompt": "a", "max_tokens": 100_000}).encode(), 400, "context_length_exceeded"),
     ("/v1/completions", json.dumps({"prompt": "", "max_tokens": 4}).encode(), 400, None),

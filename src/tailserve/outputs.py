@@ -15,11 +15,16 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[dict[int, float]] | None = None
+    # What this step added to this completion (streaming several samples: ``n`` > 1).
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
 class RequestOutput:
-    """Cumulative state of one request; ``delta_*`` hold what this step added (streaming)."""
+    """Cumulative state of one request; ``delta_*`` hold what this step added to its first
+    completion (streaming). With ``n`` > 1, ``outputs`` holds n completions (index 0..n-1)
+    and each carries its own delta."""
 
     request_id: str
     prompt: str | None
@@ -53,4 +58,5 @@ class RequestOutput:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.outputs[0].token_ids)
+        """Tokens of every completion returned."""
+        return sum(len(c.token_ids) for c in self.outputs)

@@ -10,14 +10,16 @@ from tailserve.errors import InvalidRequestError
 
 # Below this a temperature means greedy decoding (vLLM uses the same cut-off).
 GREEDY_TEMPERATURE = 1e-5
+MAX_SAMPLES = 128  # n and best_of (OpenAI's bound on n)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick the next tokens of one request.
 
-    temperature 0 means greedy. ``top_k`` 0 or -1 disables top-k; ``top_p`` 1.0 disables
-    nucleus filtering; ``min_p`` 0.0 disables min-p. ``seed`` makes a request's samples
+    ``n`` samples are returned (``best_of``: that many generated, the n best returned; see
+    ``engine/parallel_sampling.py``). temperature 0 means greedy. ``top_k`` 0 or -1 disables
+    top-k; ``top_p`` 1.0 disables nucleus filtering; ``min_p`` 0.0 disables min-p. ``seed`` makes a request's samples
     reproducible whatever else shares its batch. ``stop`` strings end the output (and are
     cut from the text unless ``include_stop_str_in_output``); ``stop_token_ids`` end it
     after that token. ``logprobs`` = k returns the sampled token's log-probability and the
@@ -26,6 +28,9 @@ class SamplingParams:
     """
 
     n: int = 1
+    # best_of samples are generated and the n with the highest mean token logprob returned
+    # (OpenAI's legacy completions); None means n. The samples share the prompt's KV blocks.
+    best_of: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -109,8 +114,13 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", tuple(clean))
 
         _check_int(self.n, "n", lo=1)
-        if self.n != 1:
-            raise InvalidRequestError("only n=1 is supported", "n")
+        if self.n > MAX_SAMPLES:
+            raise InvalidRequestError(f"n must be at most {MAX_SAMPLES}, got {self.n}", "n")
+        if self.best_of is not None:
+            _check_int(self.best_of, "best_of", lo=1)
+            if not self.n <= self.best_of <= MAX_SAMPLES:
+                raise InvalidRequestError(f"best_of must be in [n, {MAX_SAMPLES}] (n = {self.n}), got {self.best_of}",
+                                          "best_of")
         _check_number(self.temperature, "temperature")
         if self.temperature < 0:
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}", "temperature")
@@ -133,6 +143,11 @@ class SamplingParams:
             if self.prompt_logprobs > 20:
                 raise InvalidRequestError(f"prompt_logprobs must be at most 20, got {self.prompt_logprobs}",
                                           "prompt_logprobs")
+
+    @property
+    def num_samples(self) -> int:
+        """Samples generated for this request: best_of, else n."""
+        return self.best_of if self.best_of is not None else self.n
 
     @property
     def has_logits_processors(self) -> bool:

@@ -136,7 +136,7 @@ class AsyncEngine:
             except TailserveError as e:
                 self._deliver(rid, e)
         elif kind == "abort":
-            if rid in self.engine.scheduler.requests:
+            if rid in self.engine.output_processor:
                 self.engine.abort_request(rid)
             self._streams.pop(rid, None)
 
@@ -168,7 +168,7 @@ class AsyncEngine:
                     self._deliver(rid, EngineRequestError(f"internal error while generating request {rid}: {e}"))
                 continue
             except Exception as e:  # outside any one step's work: fail every request in flight, keep serving
-                ids = list(self.engine.scheduler.requests)
+                ids = self.engine.request_ids()
                 log.exception("engine step failed; failing %d requests: %s", len(ids), ids)
                 for rid in ids:
                     self.engine.abort_request(rid)

@@ -23,6 +23,7 @@ from tailserve.engine.worker import Worker
 from tailserve.errors import InvalidRequestError, TailserveError
 from tailserve.memory.block_pool import BlockPool
 from tailserve.metrics.timeline import StepStats
+from tailserve.sampling_params import SamplingParams
 from tailserve.speculative.adaptive import AdaptiveSpeculation
 
 log = logging.getLogger("tailserve.engine")
@@ -70,6 +71,16 @@ class EngineCore:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         self.scheduler.add_request(Request(request_id, prepared.prompt_token_ids, prepared.params,
                                            self.eos_token_ids, self.max_model_len))
+
+    def add_samples(self, prepared: PreparedRequest, samples: list[tuple[str, SamplingParams]]) -> None:
+        """Several samples of one prompt (``n`` > 1, ``best_of``): the prompt is computed
+        once and its blocks shared (``Scheduler.add_fork_group``)."""
+        reqs = [Request(rid, prepared.prompt_token_ids, params, self.eos_token_ids, self.max_model_len)
+                for rid, params in samples]
+        try:
+            self.scheduler.add_fork_group(reqs[0], reqs[1:])
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "request_id") from None
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> dict[str, list[tuple[str, int]]]:
         """Finish requests from outside a step; returns each one's unreported timeline events."""

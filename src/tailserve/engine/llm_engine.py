@@ -19,6 +19,7 @@ from tailserve.assets import resolve_model_path
 from tailserve.config import EngineConfig
 from tailserve.engine.core import EngineCore, EngineStepError
 from tailserve.engine.output_processor import OutputProcessor
+from tailserve.engine.parallel_sampling import child_params, child_request_id
 from tailserve.engine.processor import PreparedRequest, Processor, Prompt
 from tailserve.engine.request import RequestStatus
 from tailserve.errors import InvalidRequestError
@@ -134,22 +135,33 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.output_processor:
             raise InvalidRequestError(f"request id {rid!r} is already in use", "request_id")
-        self.core.add_request(rid, prepared)
-        self.output_processor.add_request(rid, prepared.prompt, prepared.prompt_token_ids, prepared.params,
-                                          arrival_ns if self.metrics_enabled else None)
+        params = prepared.params
+        samples = None
+        if params.num_samples > 1:  # parallel sampling: samples forked from one computed prompt
+            samples = [(child_request_id(rid, i), child_params(params, i)) for i in range(params.num_samples)]
+            self.core.add_samples(prepared, samples)
+        else:
+            self.core.add_request(rid, prepared)
+        self.output_processor.add_request(rid, prepared.prompt, prepared.prompt_token_ids, params,
+                                          arrival_ns if self.metrics_enabled else None, samples)
         return rid
 
     def abort_request(self, request_id: str) -> RequestMetrics | None:
-        """End a request now and free its blocks; returns its metrics (if recorded)."""
-        events = self.core.finish_requests([request_id], RequestStatus.FINISHED_ABORTED).get(request_id, [])
+        """End a request (all its samples) now and free its blocks; returns its metrics (if
+        recorded)."""
+        events = self.core.finish_requests(self.output_processor.core_ids(request_id), RequestStatus.FINISHED_ABORTED)
         return self.output_processor.abort_request(request_id, events)
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
+    def request_ids(self) -> list[str]:
+        """Requests in flight, by the ids callers gave them."""
+        return self.output_processor.request_ids()
+
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self.core.scheduler.requests)
+        return len(self.output_processor)
 
     # -- figures ---------------------------------------------------------------------------
     def kv_figures(self) -> KVCacheFigures:
@@ -175,9 +187,11 @@ class LLMEngine:
         try:
             core_outputs = self.core.step()
         except EngineStepError as e:
-            for rid in e.request_ids:
-                self.output_processor.abort_request(rid)
-            raise
+            # A failed sample fails its whole request: its other samples are aborted too.
+            owners = list(dict.fromkeys(self.output_processor.owner_of(rid) for rid in e.request_ids))
+            for rid in owners:
+                self.abort_request(rid)
+            raise EngineStepError(str(e), owners) from e.__cause__
         outputs, to_stop = self.output_processor.process(core_outputs, time.perf_counter_ns())
         if to_stop:
             self.core.finish_requests(to_stop, RequestStatus.FINISHED_STOPPED)

@@ -92,12 +92,23 @@ class ModelRunner:
             self.requests.pop(rid, None)  # resumed later with its full data
         for nr in sched.new_requests:
             self.requests[nr.request_id] = self._new_state(nr)
+        if sched.block_copies:
+            self.copy_blocks(sched.block_copies)
         for cr in sched.cached_requests:
             st = self.requests[cr.request_id]
             st.block_ids.extend(cr.new_block_ids)
             if st.num_computed_tokens != cr.num_computed_tokens:
                 raise RuntimeError(f"request {cr.request_id}: the worker has {st.num_computed_tokens} computed tokens, "
                                    f"the scheduler {cr.num_computed_tokens}")
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write of forked samples: the target's K/V of each source block into its
+        destination, every layer. (The draft model recomputes its own K/V from the last
+        shared block: the scheduler says so in ``num_draft_computed_tokens``.)"""
+        src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
+        for cache in self.kv_caches:  # (2, num_blocks, block_size, kv_heads, head_dim)
+            cache.index_copy_(1, dst, cache.index_select(1, src))
 
     @staticmethod
     def _new_state(nr: NewRequestData) -> CachedRequestState:

@@ -10,7 +10,9 @@ the request's timeline, and for every step's new tokens it
 - streams only text that the final text will contain: while a request runs, the last
   (longest stop string - 1) characters are held back, since they could still turn out to
   be the start of a stop string. Concatenated ``delta_text`` always equals the final text;
-- builds ``RequestOutput`` deltas, and on finish the request's ``RequestMetrics``.
+- builds ``RequestOutput`` deltas, and on finish the request's ``RequestMetrics``;
+- merges the samples of an ``n`` > 1 / ``best_of`` request (child requests in the engine
+  core) into the request's one output (``parallel_sampling.ParentRequest``).
 
 It never touches the scheduler, blocks or tensors.
 """
@@ -21,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 from tailserve.engine.detokenizer import IncrementalDetokenizer
+from tailserve.engine.parallel_sampling import ParentRequest
 from tailserve.engine.scheduler_output import EngineCoreOutput
 from tailserve.metrics.prometheus import PrometheusMetrics
 from tailserve.metrics.timeline import RequestMetrics, RequestTimeline
@@ -56,22 +59,52 @@ class _State:
     spec: tuple[int, int, int] = (0, 0, 0)  # drafts, draft tokens, accepted tokens
     max_stop_len: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # A sample of a parent request: the parent observes one finished request, not n.
+    observe_finish: bool = True
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer | None, prometheus: PrometheusMetrics | None = None) -> None:
         self.tokenizer = tokenizer
         self.prometheus = prometheus
-        self._states: dict[str, _State] = {}
+        self._states: dict[str, _State] = {}  # by engine-core id (a sample's own id under a parent)
+        self._parents: dict[str, ParentRequest] = {}
+        self._parent_of: dict[str, ParentRequest] = {}  # sample id -> its parent
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._states
+        return request_id in self._parents or (request_id in self._states and request_id not in self._parent_of)
 
     def __len__(self) -> int:
-        return len(self._states)
+        return len(self._parents) + len(self._states) - len(self._parent_of)
+
+    def request_ids(self) -> list[str]:
+        """The callers' request ids in flight (a parent once, not its samples)."""
+        return list(self._parents) + [r for r in self._states if r not in self._parent_of]
+
+    def core_ids(self, request_id: str) -> list[str]:
+        """The engine-core requests behind a caller's request: its samples, or itself."""
+        parent = self._parents.get(request_id)
+        return list(parent.child_ids) if parent is not None else [request_id]
+
+    def owner_of(self, core_id: str) -> str:
+        """The caller's request id that an engine-core request belongs to."""
+        parent = self._parent_of.get(core_id)
+        return parent.request_id if parent is not None else core_id
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_ns: int | None) -> None:
+                    arrival_ns: int | None, samples: list[tuple[str, SamplingParams]] | None = None) -> None:
+        """Track a request; ``samples`` (engine-core id, params) when it is fanned out."""
+        if not samples:
+            self._add_state(request_id, prompt, prompt_token_ids, params, arrival_ns, observe_finish=True)
+            return
+        parent = ParentRequest(request_id, params, [cid for cid, _ in samples])
+        self._parents[request_id] = parent
+        for cid, cparams in samples:
+            self._add_state(cid, prompt, prompt_token_ids, cparams, arrival_ns, observe_finish=False)
+            self._parent_of[cid] = parent
+
+    def _add_state(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                   arrival_ns: int | None, observe_finish: bool) -> None:
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
@@ -79,29 +112,67 @@ class OutputProcessor:
             request_id, prompt, prompt_token_ids, params, detok,
             RequestTimeline(arrival_ns) if arrival_ns is not None else None, [],
             [] if params.logprobs is not None else None,
-            max_stop_len=max((len(s) for s in params.stop), default=0))
+            max_stop_len=max((len(s) for s in params.stop), default=0), observe_finish=observe_finish)
 
-    def abort_request(self, request_id: str, events: list[tuple[str, int]] = ()) -> RequestMetrics | None:
-        """Forget an aborted request; returns its metrics (if recorded)."""
-        st = self._states.pop(request_id, None)
-        if st is None:
-            return None
-        self._apply_events(st, events)
-        return self._finish_metrics(st, "abort")
+    def abort_request(self, request_id: str, events: dict[str, list[tuple[str, int]]] | None = None
+                      ) -> RequestMetrics | None:
+        """Forget an aborted request (all its samples); ``events``: each engine-core
+        request's unreported timeline events. Returns its metrics (if recorded)."""
+        events = events or {}
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            st = self._states.pop(request_id, None)
+            if st is None:
+                return None
+            self._apply_events(st, events.get(request_id, ()))
+            return self._finish_metrics(st, "abort")
+        metrics = []
+        for cid in parent.child_ids:
+            self._parent_of.pop(cid, None)
+            st = self._states.pop(cid, None)
+            if st is None:
+                continue
+            self._apply_events(st, events.get(cid, ()))
+            m = self._finish_metrics(st, "abort")
+            if m is not None:
+                metrics.append(m)
+        slowest = parent.request_metrics(metrics)
+        if slowest is not None and self.prometheus is not None:
+            self.prometheus.observe_finished(slowest)
+        return slowest
 
     def process(self, outputs: list[EngineCoreOutput], now_ns: int) -> tuple[list[RequestOutput], list[str]]:
-        """Returns (request outputs, ids of requests a stop string ended that the engine
-        core still runs: the caller finishes them there)."""
+        """Returns (request outputs, engine-core ids of requests a stop string ended that the
+        engine core still runs: the caller finishes them there)."""
         results, to_stop = [], []
+        touched: dict[str, set[int]] = {}  # parent id -> indices of its samples that progressed
         for co in outputs:
             st = self._states.get(co.request_id)
             if st is None:
                 continue  # aborted while its step ran
             out, stopped_here = self._process_one(st, co, now_ns)
-            if out is not None:
-                results.append(out)
             if stopped_here and not co.finished:
                 to_stop.append(co.request_id)
+            if out is None:
+                continue
+            parent = self._parent_of.get(co.request_id)
+            if parent is None:
+                results.append(out)
+                continue
+            index = parent.index_of[co.request_id]
+            parent.observe(index, out)
+            touched.setdefault(parent.request_id, set()).add(index)
+            if out.finished:
+                self._parent_of.pop(co.request_id, None)
+        for pid, indices in touched.items():
+            parent = self._parents[pid]
+            pout = parent.output(indices)
+            if parent.finished:
+                del self._parents[pid]
+                if pout is not None and pout.metrics is not None and self.prometheus is not None:
+                    self.prometheus.observe_finished(pout.metrics)
+            if pout is not None:
+                results.append(pout)
         return results, to_stop
 
     # -- one request -----------------------------------------------------------------------
@@ -175,6 +246,8 @@ class OutputProcessor:
             finish_reason=finish_reason if finished else None,
             stop_reason=stop_reason if finished else None,
             logprobs=st.logprobs,
+            delta_text=delta_text,
+            delta_token_ids=new_ids,
         )
         out = RequestOutput(
             request_id=st.request_id,
@@ -198,6 +271,6 @@ class OutputProcessor:
             st.timeline.finished_ns = time.perf_counter_ns()
         rm = RequestMetrics.from_timeline(st.request_id, st.timeline, len(st.prompt_token_ids),
                                           st.num_cached_tokens, finish_reason, st.spec)
-        if self.prometheus is not None:
+        if self.prometheus is not None and st.observe_finish:
             self.prometheus.observe_finished(rm)
         return rm

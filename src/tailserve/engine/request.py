@@ -55,6 +55,10 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_cap: int = 0  # the most drafts the last proposal could make (its chain may stop sooner)
     num_draft_marked: int = 0  # leading blocks already flagged draft_filled in the pool
+    # Parallel sampling: the samples waiting to be forked from this one once its prompt is
+    # computed, and (on such a sample) the request it waits on.
+    fork_children: list[Request] = field(default_factory=list)
+    fork_parent: Request | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

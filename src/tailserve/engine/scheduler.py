@@ -20,6 +20,15 @@ Policy, per step, under ``max_num_batched_tokens`` and ``max_num_seqs``:
    that cannot get them drafts nothing this round; nobody is preempted for a draft).
    The worker returns the drafts in ``ModelRunnerOutput``; the draft model's K/V reuse on
    prefix hits is recorded through the block pool's own API.
+4. Parallel sampling (``n`` > 1, ``best_of``): the samples of one prompt form a fork group.
+   Only the first is queued; the others wait until its prompt is computed and are then
+   forked from it, as PagedAttention does: they take a reference to every prompt block
+   before the one holding the last prompt token (shared, read-only from then on), and get
+   a private copy of that block (copy-on-write: it is the first block a sample writes,
+   since each sample recomputes the last prompt token to sample its own first token). The
+   copies travel in the next ``SchedulerOutput`` (``block_copies``); the worker makes them
+   before that step's forward. A sample that finds no free block or sequence slot at fork
+   time is queued as an ordinary request instead.
 """
 
 from __future__ import annotations
@@ -55,6 +64,12 @@ class Scheduler:
         self._finished_since_step: list[str] = []
         self._preempted_since_step: list[str] = []
         self.num_preemptions = 0
+        # Fork groups: copies owed to the worker (source, destination); each source block is
+        # referenced until the copy is sent, so it cannot be reused before it is read.
+        self._pending_copies: list[tuple[int, int]] = []
+        self.num_forks = 0  # samples forked from their group's first
+        self.num_fork_shared_blocks = 0  # prompt blocks they shared instead of computing
+        self.num_fork_copied_blocks = 0  # blocks copied on write at a fork
         # Speculative decoding (None: off). Seeded sampled requests draft a fixed k when k is
         # adaptive: the controller's choice depends on measured times, a seeded output must not.
         self.speculation = speculation
@@ -70,6 +85,21 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def add_fork_group(self, first: Request, others: list[Request]) -> None:
+        """Samples of one prompt: ``first`` is queued; ``others`` are forked from it once its
+        prompt is computed (the module docstring, point 4)."""
+        ids = [first.request_id, *(r.request_id for r in others)]
+        taken = [i for i in ids if i in self.requests]
+        if taken or len(set(ids)) != len(ids):
+            raise ValueError(f"request id {(taken or ids)[0]!r} is already in use")
+        if any(r.prompt_token_ids != first.prompt_token_ids for r in others):
+            raise ValueError("a fork group's samples must share one prompt")
+        self.add_request(first)
+        for r in others:
+            self.requests[r.request_id] = r
+            r.fork_parent = first
+        first.fork_children = list(others)
+
     def finish_request(self, request_id: str, status: RequestStatus) -> list[tuple[str, int]]:
         """End a request from outside a step (abort, or a stop string found in its text).
         Returns its timeline events not yet reported."""
@@ -78,6 +108,9 @@ class Scheduler:
             return []
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.fork_parent is not None:  # still waiting to be forked
+            req.fork_parent.fork_children.remove(req)
+            req.fork_parent = None
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
@@ -86,6 +119,13 @@ class Scheduler:
         return events
 
     def _release(self, req: Request) -> None:
+        if req.fork_children:
+            # Finished before its prompt was shared (aborted, or in the step that computed it
+            # with nowhere to fork): the other samples start on their own, next in line.
+            for child in req.fork_children:
+                child.fork_parent = None
+            self.waiting.extendleft(reversed(req.fork_children))
+            req.fork_children = []
         self.pool.free(req.block_ids)
         req.block_ids = []
         self.requests.pop(req.request_id, None)
@@ -145,8 +185,11 @@ class Scheduler:
 
     def schedule(self, now_ns: int | None = None) -> SchedulerOutput:
         now_ns = time.perf_counter_ns() if now_ns is None else now_ns
-        out = SchedulerOutput(finished_ids=self._finished_since_step)
+        out = SchedulerOutput(finished_ids=self._finished_since_step, block_copies=self._pending_copies)
         self._finished_since_step = []
+        # The worker copies before this step's forward, so the sources may be reused from now on.
+        self.pool.free([src for src, _ in self._pending_copies])
+        self._pending_copies = []
         # Preempted outside a schedule (an out-of-memory step): the worker must hear of it,
         # and nothing new is admitted this step.
         out.preempted_ids.extend(self._preempted_since_step)
@@ -316,6 +359,9 @@ class Scheduler:
                     break
             req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
             self._register_full_blocks(req)
+            if req.fork_children:
+                self._mark_draft_filled(req, result.num_draft_computed.get(req.request_id))
+                self._fork(req)
             lps = result.logprobs.get(req.request_id)
             co = EngineCoreOutput(req.request_id, accepted, lps[: len(accepted)] if lps else None, finished,
                                   req.finish_reason, req.stop_reason, k, num_acc)
@@ -338,6 +384,43 @@ class Scheduler:
         if spec is not None and result.draft_step_s is not None and result.num_drafting:
             spec.draft_cost.observe(result.num_drafting, result.draft_step_s)
         return outputs
+
+    def _fork(self, first: Request) -> None:
+        """Fork the samples waiting on ``first``, whose prompt is now computed."""
+        now_ns = time.perf_counter_ns()
+        bs = self.block_size
+        queued: list[Request] = []
+        for child in first.fork_children:
+            child.fork_parent = None
+            p = child.num_prompt_tokens
+            last = (p - 1) // bs  # the block holding the last prompt token: the first one written
+            if len(self.running) >= self.config.max_num_seqs or self.pool.num_free_blocks < 1:
+                queued.append(child)
+                continue
+            shared = first.block_ids[:last]
+            self.pool.touch(shared)
+            own = self.pool.allocate(1)[0]
+            if (p - 1) % bs:  # tokens before the last one live in that block: copy them
+                src = first.block_ids[last]
+                self.pool.touch([src])
+                self._pending_copies.append((src, own))
+                self.num_fork_copied_blocks += 1
+            child.block_ids = [*shared, own]
+            child.num_computed_tokens = p - 1
+            child.block_hashes = list(first.block_hashes[:last])
+            child.num_registered_blocks = last if self.pool.enable_prefix_caching else 0
+            filled = self.pool.num_draft_filled(shared)
+            child.num_draft_marked = filled
+            child.num_draft_cached_tokens = min(p - 1, filled * bs)
+            child.num_cached_tokens = p - 1  # not computed for this sample
+            child.num_sent_blocks = None
+            child.status = RequestStatus.RUNNING
+            child.events.append(("scheduled", now_ns))
+            self.running.append(child)
+            self.num_forks += 1
+            self.num_fork_shared_blocks += len(shared)
+        first.fork_children = []
+        self.waiting.extendleft(reversed(queued))
 
     def _mark_draft_filled(self, req: Request, num_draft_computed: int | None) -> None:
         """Flag the request's full blocks that now hold the draft's K/V (for prefix hits)."""
@@ -369,6 +452,8 @@ class Scheduler:
         for r in self.requests.values():
             for b in r.block_ids:
                 holders[b] = holders.get(b, 0) + 1
+        for src, _ in self._pending_copies:
+            holders[src] = holders.get(src, 0) + 1
         for block in self.pool.blocks:
             if block.ref_count != holders.get(block.block_id, 0):
                 raise AssertionError(f"block {block.block_id}: ref count {block.ref_count}, "

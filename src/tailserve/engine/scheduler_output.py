@@ -65,6 +65,9 @@ class SchedulerOutput:
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # finished since the previous step
+    # (source, destination) block ids whose K/V to copy before this step's forward: the
+    # copy-on-write of a fork (parallel sampling).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -72,6 +75,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
+        """Nothing to compute (a copy owed to a sample that was preempted since is moot)."""
         return not self.scheduled
 
 

@@ -78,6 +78,12 @@ class PrometheusMetrics:
                                      registry=r)
         self.kv_blocks_cached = Gauge("tailserve:kv_cache_blocks_cached",
                                       "Free KV blocks that still hold a reusable prefix.", lab, registry=r)
+        self.kv_blocks_shared = Gauge("tailserve:kv_cache_blocks_shared",
+                                      "KV blocks held by more than one request (prefix hits, parallel samples).",
+                                      lab, registry=r)
+        self.kv_blocks_saved = Gauge("tailserve:kv_cache_blocks_saved_by_sharing",
+                                     "KV blocks the holders of shared blocks would need beyond those allocated.",
+                                     lab, registry=r)
         self.kv_internal_frag = Gauge("tailserve:kv_cache_internal_fragmentation",
                                       "Empty token slots / token slots of allocated KV blocks (0-1).", lab, registry=r)
         self.prefix_request_queries = Counter("tailserve:prefix_cache_request_queries",
@@ -119,7 +125,7 @@ class PrometheusMetrics:
             "prefix_queries", "prefix_hits", "generation_tokens", "prompt_tokens", "prompt_len", "gen_len", "ttft",
             "e2el", "queue", "prefill", "decode", "inference", "tpot", "itl", "spec_drafts", "spec_draft_tokens",
             "spec_accepted", "kv_blocks_cached", "kv_internal_frag", "prefix_request_queries", "prefix_request_hits",
-            "prefix_evictions")}
+            "prefix_evictions", "kv_blocks_shared", "kv_blocks_saved")}
         self._last_queries = 0
         self._last_hits = 0
         self._last_kv_counts = (0, 0, 0)
@@ -148,6 +154,8 @@ class PrometheusMetrics:
         c["kv_internal_frag"].set(fig.internal_fragmentation)
         c["kv_blocks_total"].set(fig.num_blocks)
         c["kv_blocks_cached"].set(fig.num_cached_blocks)
+        c["kv_blocks_shared"].set(fig.num_shared_blocks)
+        c["kv_blocks_saved"].set(fig.blocks_saved_by_sharing)
         counts = (fig.prefix_queries_requests, fig.prefix_hits_requests, fig.num_evictions)
         for name, now, before in zip(("prefix_request_queries", "prefix_request_hits", "prefix_evictions"), counts,
                                      self._last_kv_counts):

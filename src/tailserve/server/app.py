@@ -34,7 +34,7 @@ from tailserve.engine.async_engine import AsyncEngine, EngineOverloadedError, En
 from tailserve.engine.llm_engine import LLMEngine
 from tailserve.errors import InvalidRequestError
 from tailserve.metrics.timeline import RequestMetrics
-from tailserve.outputs import RequestOutput
+from tailserve.outputs import CompletionOutput, RequestOutput
 from tailserve.server.chat import ChatTemplate
 from tailserve.server.protocol import (
     APIError,
@@ -184,19 +184,21 @@ class Server:
                                      headers=self._headers(rid))
         outs = await self._collect(request, subs)
         choices = []
+        n = greq.params.n
         for i, ((_, _, prep), out) in enumerate(zip(subs, outs)):
-            text = "" if greq.score_only else out.text
-            lps = None
-            if greq.logprobs is not None:
-                lps = self._echo_logprobs(out) if greq.echo else self._completion_logprobs(out, 0)
-                if greq.echo and not greq.score_only:
-                    gen = self._completion_logprobs(out, 0)
-                    lps = {k: lps[k] + gen[k] for k in lps} if gen else lps
-            if greq.echo:
-                text = self._prompt_text(prep) + text
-            choices.append({"index": i, "text": text, "finish_reason": "length" if greq.score_only else
-                            out.finish_reason, "stop_reason": None if greq.score_only else out.outputs[0].stop_reason,
-                            "logprobs": lps})
+            for c in out.outputs:  # OpenAI's order: prompt by prompt, n choices each
+                text = "" if greq.score_only else c.text
+                lps = None
+                if greq.logprobs is not None:
+                    lps = self._echo_logprobs(out) if greq.echo else self._completion_logprobs(c, 0)
+                    if greq.echo and not greq.score_only:
+                        gen = self._completion_logprobs(c, 0)
+                        lps = {k: lps[k] + gen[k] for k in lps} if gen else lps
+                if greq.echo:
+                    text = self._prompt_text(prep) + text
+                choices.append({"index": i * n + c.index, "text": text,
+                                "finish_reason": "length" if greq.score_only else c.finish_reason,
+                                "stop_reason": None if greq.score_only else c.stop_reason, "logprobs": lps})
         return self._final_json(rid, "text_completion", choices, outs, score_only=greq.score_only)
 
     def _prompt_text(self, prep) -> str:
@@ -227,11 +229,11 @@ class Server:
             return StreamingResponse(self._stream(rid, subs, greq, chat=True), media_type="text/event-stream",
                                      headers=self._headers(rid))
         outs = await self._collect(request, subs)
-        out = outs[0]
-        choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                  "finish_reason": out.finish_reason, "stop_reason": out.outputs[0].stop_reason,
-                  "logprobs": self._chat_logprobs(out, 0, greq.logprobs) if greq.logprobs is not None else None}
-        return self._final_json(rid, "chat.completion", [choice], outs)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                    "logprobs": self._chat_logprobs(c, 0, greq.logprobs) if greq.logprobs is not None else None}
+                   for c in outs[0].outputs]
+        return self._final_json(rid, "chat.completion", choices, outs)
 
     def _final_json(self, rid: str, obj: str, choices: list, outs: list[RequestOutput],
                     score_only: bool = False) -> JSONResponse:
@@ -249,49 +251,59 @@ class Server:
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
         finals: list[RequestOutput] = []
+        n = greq.params.n
         lp_sent: dict[int, int] = {}  # per choice: how many tokens' logprobs have been streamed
         echoed: set[int] = set()  # choices whose prompt (echo) has been sent
+        ended: set[int] = set()  # choices whose finish_reason has been sent
         events = self._events(subs)
         try:
             if chat:
                 yield self._sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                              "finish_reason": None}]})
-            async for index, item in events:
+                                 "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                              "finish_reason": None} for i in range(n)]})
+            async for sub, item in events:
                 if isinstance(item, Exception):
                     err = APIError(500, f"internal error while generating: {item}")
                     log.error("request %s failed: %s", rid, item)
                     yield self._sse(err.body())
                     continue
                 out = item
-                if not out.delta_text and not out.finished:
-                    continue
-                # Logprobs of every token since the last chunk (tokens whose text is held back
-                # for a possible stop string travel with the chunk that carries their text).
-                start = lp_sent.get(index, 0)
-                lps = None
-                if greq.logprobs is not None and out.outputs[0].logprobs is not None:
-                    lp_sent[index] = len(out.outputs[0].logprobs)
-                    lps = (self._chat_logprobs(out, start, greq.logprobs) if chat
-                           else self._completion_logprobs(out, start))
-                if chat:
-                    choice: dict[str, Any] = {"index": index, "delta": {"content": out.delta_text},
-                                              "logprobs": lps, "finish_reason": out.finish_reason}
-                else:
-                    text, finish = out.delta_text, out.finish_reason
+                choices = []
+                for c in out.outputs:
+                    index = sub * n + c.index  # OpenAI's order: prompt by prompt, n choices each
+                    finish = c.finish_reason
+                    if not c.delta_text and (finish is None or index in ended):
+                        continue
+                    if finish is not None:
+                        ended.add(index)
+                    # Logprobs of every token since the last chunk (tokens whose text is held
+                    # back for a possible stop string travel with the chunk that carries it).
+                    start = lp_sent.get(index, 0)
+                    lps = None
+                    if greq.logprobs is not None and c.logprobs is not None:
+                        lp_sent[index] = len(c.logprobs)
+                        lps = (self._chat_logprobs(c, start, greq.logprobs) if chat
+                               else self._completion_logprobs(c, start))
+                    if chat:
+                        choices.append({"index": index, "delta": {"content": c.delta_text}, "logprobs": lps,
+                                        "finish_reason": finish})
+                        continue
+                    text = c.delta_text
                     if greq.score_only:  # nothing generated is shown: the prompt (below) and the end
-                        text, lps, finish = "", None, ("length" if out.finished else None)
-                        if not out.finished:
+                        if finish is None:
                             continue
+                        text, lps, finish = "", None, "length"
                     if greq.echo and index not in echoed:  # the prompt leads the choice's first chunk
                         echoed.add(index)
-                        text = self._prompt_text(subs[index][2]) + text
+                        text = self._prompt_text(subs[sub][2]) + text
                         if greq.logprobs is not None:
                             plp = self._echo_logprobs(out)
                             lps = {k: plp[k] + (lps[k] if lps else []) for k in plp}
-                    choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": lps}
+                    choices.append({"index": index, "text": text, "finish_reason": finish, "logprobs": lps})
+                if not choices and not out.finished:
+                    continue
                 chunk: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": self.model_name,
-                                         "choices": [choice]}
+                                         "choices": choices}
                 if out.finished:
                     finals.append(out)
                     chunk["timing"] = timing_dict(out.metrics)
@@ -350,23 +362,23 @@ class Server:
     def _token_text(self, tok: int) -> str:
         return self.engine.tokenizer.decode([tok], skip_special_tokens=False) if self.engine.tokenizer else str(tok)
 
-    def _completion_logprobs(self, out: RequestOutput, start: int) -> dict[str, Any] | None:
+    def _completion_logprobs(self, c: CompletionOutput, start: int) -> dict[str, Any] | None:
         """Legacy completions format, tokens ``start:``: each position's ``top_logprobs`` holds
         the ``logprobs`` most likely tokens plus the sampled one when it is not among them
         (so up to logprobs + 1 entries, as OpenAI documents)."""
-        lps = out.outputs[0].logprobs
+        lps = c.logprobs
         if lps is None:
             return None
-        toks = out.token_ids[start:len(lps)]
+        toks = c.token_ids[start:len(lps)]
         lps = lps[start:]
         return {"tokens": [self._token_text(t) for t in toks],
                 "token_logprobs": [lp.get(t) for t, lp in zip(toks, lps)],
                 "top_logprobs": [{self._token_text(k): v for k, v in lp.items()} for lp in lps]}
 
-    def _chat_logprobs(self, out: RequestOutput, start: int, top_n: int) -> dict[str, Any] | None:
+    def _chat_logprobs(self, c: CompletionOutput, start: int, top_n: int) -> dict[str, Any] | None:
         """Chat format, tokens ``start:``: the sampled token's logprob, and ``top_logprobs``
         = the ``top_n`` most likely tokens (the sampled one included when it is among them)."""
-        lps = out.outputs[0].logprobs
+        lps = c.logprobs
         if lps is None:
             return None
 
@@ -375,7 +387,7 @@ class Server:
             return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
         content = []
-        for t, lp in zip(out.token_ids[start:len(lps)], lps[start:]):
+        for t, lp in zip(c.token_ids[start:len(lps)], lps[start:]):
             # The dict holds the sampled token and the top_n most likely; the top_n are the
             # top_n largest values whether or not the sampled token is one of them.
             top = sorted(lp.items(), key=lambda kv: -kv[1])[:top_n]

@@ -6,7 +6,7 @@ semantic problems are HTTP 400; both come back in OpenAI's error format, naming 
 The field rule (docs/server.md lists every field): a body may carry only the fields its
 endpoint reads. A field this server does not implement is rejected with 400 naming it,
 never accepted and ignored, with one exception: a sampling field at its neutral value
-(``n: 1``, ``best_of: 1``, ``tools: []``, ...) asks for nothing, so it is accepted.
+(``tools: []``, ``best_of: 1`` on chat, ...) asks for nothing, so it is accepted.
 Unknown fields are rejected the same way, as OpenAI's API does.
 """
 
@@ -57,7 +57,7 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
 # Fields each endpoint reads (besides the neutral ones below).
 COMPLETION_FIELDS = frozenset({
     "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-    "ignore_eos", "logprobs", "echo", "stream", "stream_options", "n", "user", "skip_special_tokens",
+    "ignore_eos", "logprobs", "echo", "stream", "stream_options", "n", "best_of", "user", "skip_special_tokens",
     "include_stop_str_in_output", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"})
 CHAT_FIELDS = frozenset({
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
@@ -146,13 +146,17 @@ def sampling_params(body: dict[str, Any], chat: bool) -> tuple[SamplingParams, i
     if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
         raise APIError(422, "'stop' must contain only strings", "stop", code="invalid_type")
     n = field(body, "n", "int", 1)
-    if n != 1:
-        raise APIError(400, f"only n=1 is supported, got {n}", "n")
+    best_of = None if chat else field(body, "best_of", "int", None)
+    if best_of is not None and best_of > n and field(body, "stream", "bool", False):
+        raise APIError(400, f"best_of ({best_of}) > n ({n}) cannot stream: the best samples are known only "
+                            "when all have finished", "best_of")
     field(body, "user", "str", None)
     if logprobs is not None and not 0 <= logprobs <= 20:
         raise APIError(400, f"logprobs must be in [0, 20], got {logprobs}", "logprobs")
     try:
         params = SamplingParams(
+            n=n,
+            best_of=best_of,
             temperature=temperature,
             top_p=field(body, "top_p", "number", 1.0),
             top_k=field(body, "top_k", "int", 0),
