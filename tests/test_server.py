@@ -61,7 +61,7 @@ class ServerProcess:
 def server(llama_checkpoint):
     path, _ = llama_checkpoint
     s = ServerProcess(str(path), "--kv-cache-memory", "8MiB", "--max-request-body", "256KiB",
-                      "--served-model-name", "tiny")
+                      "--served-model-name", "tiny", "--gateway-metrics")
     yield s
     s.stop()
 
@@ -306,6 +306,39 @@ def test_models_version_metrics(server):
     assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == "tiny"
     assert httpx.get(server.url + "/version").json()["version"]
     assert "tailserve:time_to_first_token_seconds_bucket" in httpx.get(server.url + "/metrics").text
+
+
+def test_gateway_metrics_mirror_the_load_gauges_under_vllm_names(server):
+    import threading
+
+    # Load while scraping, so the gauges are non-zero at least once.
+    def load() -> None:
+        httpx.post(server.url + "/v1/completions", json={"prompt": "def h(", "max_tokens": 60, "ignore_eos": True},
+                   timeout=60)
+
+    threads = [threading.Thread(target=load) for _ in range(3)]
+    for t in threads:
+        t.start()
+    seen_running = 0.0
+    while any(t.is_alive() for t in threads):
+        text = httpx.get(server.url + "/metrics").text
+        values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith(("vllm:", "tailserve:num_requests", "tailserve:kv_cache_usage_perc"))}
+        # One scrape: each vLLM-named gauge equals the tailserve gauge it mirrors.
+        assert values["vllm:num_requests_running"] == values["tailserve:num_requests_running"]
+        assert values["vllm:num_requests_waiting"] == values["tailserve:num_requests_waiting"]
+        assert values["vllm:kv_cache_usage_perc"] == values["tailserve:kv_cache_usage_perc"] == values[
+            "vllm:gpu_cache_usage_perc"]
+        seen_running = max(seen_running, values["vllm:num_requests_running"])
+    for t in threads:
+        t.join()
+    assert seen_running >= 1
+    info = [line for line in text.splitlines() if line.startswith("vllm:cache_config_info{")]
+    assert len(info) == 1 and 'block_size="16"' in info[0] and 'num_gpu_blocks="' in info[0]
+
+
+def test_gateway_metrics_are_off_by_default(offline):
+    assert b"vllm:" not in offline.engine.metrics_exposition()
 
 
 @pytest.mark.parametrize("protocol", ["HTTP/1.1", "h2c"])

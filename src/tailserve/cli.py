@@ -136,7 +136,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # main one), else --model exactly as given; the checkpoint folder's name works too.
     names = list(args.served_model_name or ([args.model] if args.model else []))
     engine = LLMEngine(EngineConfig(model=args.model or "builtin", served_model_name=names[0] if names else None,
-                                    enable_metrics=not args.disable_metrics, **kw))  # type: ignore[arg-type]
+                                    enable_metrics=not args.disable_metrics, gateway_metrics=args.gateway_metrics,
+                                    **kw))  # type: ignore[arg-type]
     aliases = [*names[1:], engine.model_dir.name]
     run_server(engine, host=args.host, port=args.port, http2_port=http2_port, api_key=args.api_key,
                max_body_bytes=parse_bytes(args.max_request_body), max_waiting_requests=args.max_waiting_requests,
@@ -299,6 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="beyond this many waiting requests, answer 429 with Retry-After")
     srv.add_argument("--max-request-body", default="1MiB", help="larger bodies get 413")
     srv.add_argument("--disable-metrics", action="store_true")
+    srv.add_argument("--gateway-metrics", action="store_true",
+                     help="also export the load gauges Kubernetes inference gateways read, under vLLM's names "
+                          "(vllm:num_requests_waiting, vllm:num_requests_running, vllm:kv_cache_usage_perc, "
+                          "vllm:cache_config_info); see docs/scaling.md")
     srv.add_argument("--access-log", action="store_true")
     _add_engine_args(srv)
     srv.set_defaults(func=_cmd_serve)

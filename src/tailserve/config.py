@@ -69,6 +69,9 @@ class EngineConfig:
     cpu_onednn: bool = True
     # Record request timelines, step figures and Prometheus metrics.
     enable_metrics: bool = True
+    # Also export the load gauges Kubernetes inference gateways read, under vLLM's names
+    # (vllm:num_requests_waiting, ...; metrics/prometheus.py GATEWAY_GAUGES).
+    gateway_metrics: bool = False
     # Name reported by /v1/models and in metric labels (default: the model folder's name).
     served_model_name: str | None = None
     # Speculative decoding. speculative_model: a checkpoint folder or "builtin"; method
@@ -107,6 +110,8 @@ class EngineConfig:
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if self.gateway_metrics and not self.enable_metrics:
+            raise ConfigError("gateway_metrics needs metrics (drop --disable-metrics)")
         if isinstance(self.block_size, bool) or self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ConfigError(f"block_size must be a power of two from 1 to 128, got {self.block_size!r}")
         object.__setattr__(self, "kv_cache_memory_bytes", parse_bytes(self.kv_cache_memory_bytes))

@@ -49,6 +49,8 @@ class LLMEngine:
         self.model_name = config.served_model_name or self.model_dir.name
         self.metrics_enabled = config.enable_metrics
         self.prometheus = PrometheusMetrics(self.model_name) if config.enable_metrics else None
+        if self.prometheus is not None and config.gateway_metrics:
+            self.prometheus.enable_gateway_metrics(config.block_size, worker.num_blocks, config.enable_prefix_caching)
         self.output_processor = OutputProcessor(self.tokenizer, self.prometheus)
         self.allocator_settings = worker.allocator_settings
         self.dtype, self.dtype_reason = worker.dtype, worker.dtype_reason

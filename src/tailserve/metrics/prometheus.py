@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 from tailserve.metrics.timeline import RequestMetrics, StepStats
 
@@ -34,6 +35,44 @@ def token_buckets(hi: int = 1 << 17) -> list[float]:
         out += [v, int(v * 1.5)] if v >= 2 else [v]
         v *= 2
     return sorted(set(float(x) for x in out))
+
+
+# The load gauges that Kubernetes inference gateways' endpoint pickers read, under the vLLM
+# names they look for (the Gateway API Inference Extension's model-server protocol; llm-d's
+# scheduler reads the same): vLLM name -> the tailserve gauge it mirrors. Both usage names:
+# vLLM V1 says kv_cache_usage_perc, older pickers read gpu_cache_usage_perc. Like vLLM's,
+# the "perc" gauges are fractions 0-1.
+GATEWAY_GAUGES = {
+    "vllm:num_requests_waiting": ("waiting", "Requests waiting to be scheduled (tailserve:num_requests_waiting)."),
+    "vllm:num_requests_running": ("running", "Requests in the running batch (tailserve:num_requests_running)."),
+    "vllm:kv_cache_usage_perc": ("kv_usage", "KV-cache blocks in use, 0-1 (tailserve:kv_cache_usage_perc)."),
+    "vllm:gpu_cache_usage_perc": ("kv_usage", "Same as vllm:kv_cache_usage_perc (the name older gateways read)."),
+}
+
+
+class _GatewayCollector:
+    """Mirrors tailserve's load gauges under the vLLM names at every scrape (so the two can
+    never disagree), plus ``vllm:cache_config_info`` whose labels give the block size and the
+    number of blocks (the prefix-aware scorer's optional inputs). No LoRA info gauge: tailserve
+    serves no LoRA adapters, and the pickers treat its absence as no adapters."""
+
+    def __init__(self, metrics: PrometheusMetrics, block_size: int, num_blocks: int,
+                 enable_prefix_caching: bool) -> None:
+        self.metrics = metrics
+        self.cache_labels = {"block_size": str(block_size), "num_gpu_blocks": str(num_blocks),
+                             "enable_prefix_caching": str(enable_prefix_caching)}
+
+    def collect(self):
+        for name, (key, doc) in GATEWAY_GAUGES.items():
+            fam = GaugeMetricFamily(name, doc, labels=["model_name"])
+            for metric in getattr(self.metrics, key).collect():
+                for sample in metric.samples:
+                    fam.add_metric([sample.labels["model_name"]], sample.value)
+            yield fam
+        info = GaugeMetricFamily("vllm:cache_config_info", "KV-cache configuration (value 1; see the labels).",
+                                 labels=["model_name", *self.cache_labels])
+        info.add_metric([self.metrics.model_name, *self.cache_labels.values()], 1.0)
+        yield info
 
 
 class PrometheusMetrics:
@@ -203,6 +242,10 @@ class PrometheusMetrics:
             self._c["tpot"].observe(rm.tpot_s)
         for gap in rm.itl_s:
             self._c["itl"].observe(gap)
+
+    def enable_gateway_metrics(self, block_size: int, num_blocks: int, enable_prefix_caching: bool) -> None:
+        """Also export the gauges inference gateways read, under vLLM's names."""
+        self.registry.register(_GatewayCollector(self, block_size, num_blocks, enable_prefix_caching))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
