@@ -37,6 +37,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "before CUDA initialises)")
     g.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="fraction of the GPU's memory this process may use (per-process memory fraction)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks to split the target model over, one process each (gloo on the CPU, NCCL on CUDA)")
     g.add_argument("--no-cpu-onednn", dest="cpu_onednn", action="store_false",
                    help="use PyTorch's plain linear kernels on the CPU instead of oneDNN-packed weights")
     s = p.add_argument_group("speculative decoding")
@@ -66,7 +68,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         kv_cache_memory_bytes=parse_bytes(args.kv_cache_memory), max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
-        seed=args.seed, cpu_onednn=args.cpu_onednn,
+        seed=args.seed, cpu_onednn=args.cpu_onednn, tensor_parallel_size=args.tensor_parallel_size,
         cuda_alloc_conf=args.cuda_alloc_conf, gpu_memory_utilization=args.gpu_memory_utilization,
         speculative_model=args.speculative_model, speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens, speculative_max_tokens=args.speculative_max_tokens,

@@ -101,6 +101,9 @@ class EngineConfig:
     # use (torch.cuda.set_per_process_memory_fraction; needed for garbage collection).
     cuda_alloc_conf: str | None = None
     gpu_memory_utilization: float | None = None
+    # Tensor parallelism: one process per rank (engine/tensor_parallel.py); gloo on the
+    # CPU, NCCL on CUDA (rank r on cuda:r). kv_cache_memory_bytes is per rank.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str | pathlib.Path) or not str(self.model):
@@ -110,6 +113,12 @@ class EngineConfig:
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ConfigError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        if tp > 1 and self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"with tensor_parallel_size > 1, device must be cpu or cuda (rank r uses cuda:r), "
+                              f"got {self.device!r}")
         if self.gateway_metrics and not self.enable_metrics:
             raise ConfigError("gateway_metrics needs metrics (drop --disable-metrics)")
         if isinstance(self.block_size, bool) or self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

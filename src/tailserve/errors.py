@@ -42,5 +42,10 @@ class UnsupportedArchitectureError(CheckpointError, ValueError):
     """config.json names an architecture (or a feature of one) that tailserve does not implement."""
 
 
+class EngineDeadError(TailserveError, RuntimeError):
+    """The engine cannot go on (a tensor-parallel worker process died or failed); every
+    request in flight fails, and the engine must be restarted."""
+
+
 class OutOfKVCacheError(TailserveError, RuntimeError):
     """A single request needs more KV-cache blocks than the whole cache holds."""

@@ -4,6 +4,7 @@ chains, and the server's counters around it. Returns every request's record."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import math
 import time
 from collections.abc import Callable
@@ -132,21 +133,30 @@ async def run_load(cfg: LoadConfig, requests: list[BenchRequest], tokenizer: Tok
             offsets = arrival_offsets(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed, cfg.ramp)
         watcher = MetricsWatcher(client, cfg.base_url, cfg.metrics_interval_s)
         await watcher.start()
-        sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
-        records: list[RequestRecord] = []
-        t0 = time.perf_counter()
-        tasks = []
-        for i, (req, off) in enumerate(zip(requests, offsets)):
-            if cfg.duration_s is not None and off > cfg.duration_s:
-                break
-            delay = off - (time.perf_counter() - t0)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            rec = RequestRecord(i, new_request_id(), req.prompt_len, req.output_len, off,
-                                conversation=req.conversation, turn=0, dispatch_s=time.perf_counter() - t0)
-            tasks.append(asyncio.ensure_future(
-                _conversation(client, cfg, model, req, rec, t0, tokenizer, sem, records, on_done)))
-        await asyncio.gather(*tasks)
+        # A full garbage collection walks every object the process holds (in a process that
+        # imported torch: hundreds of milliseconds) and stalls the event loop, and a stall
+        # while a response is in flight reads as network time. Objects that exist before the
+        # run are frozen out of the collector's walks for its duration.
+        gc.collect()
+        gc.freeze()
+        try:
+            sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+            records: list[RequestRecord] = []
+            t0 = time.perf_counter()
+            tasks = []
+            for i, (req, off) in enumerate(zip(requests, offsets)):
+                if cfg.duration_s is not None and off > cfg.duration_s:
+                    break
+                delay = off - (time.perf_counter() - t0)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                rec = RequestRecord(i, new_request_id(), req.prompt_len, req.output_len, off,
+                                    conversation=req.conversation, turn=0, dispatch_s=time.perf_counter() - t0)
+                tasks.append(asyncio.ensure_future(
+                    _conversation(client, cfg, model, req, rec, t0, tokenizer, sem, records, on_done)))
+            await asyncio.gather(*tasks)
+        finally:
+            gc.unfreeze()
         duration = time.perf_counter() - t0
         counters = await watcher.stop()
     finally:

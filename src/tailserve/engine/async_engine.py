@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from tailserve.engine.llm_engine import EngineStepError, LLMEngine, PreparedRequest
-from tailserve.errors import TailserveError
+from tailserve.errors import EngineDeadError, TailserveError
 from tailserve.outputs import RequestOutput
 
 log = logging.getLogger("tailserve.engine")
@@ -57,6 +57,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._just_added: set[asyncio.AbstractEventLoop] = set()
+        self.dead: str | None = None  # why the engine stopped for good (EngineDeadError), if it did
         self._thread: threading.Thread | None = None
         if start_thread:
             self._thread = threading.Thread(target=self._run, name="tailserve-engine", daemon=True)
@@ -74,6 +75,8 @@ class AsyncEngine:
     def submit(self, prepared: PreparedRequest, request_id: str, arrival_ns: int) -> _Stream:
         """Queue a validated request; raises EngineOverloadedError at the waiting bound."""
         with self._lock:
+            if self.dead is not None:
+                raise EngineRequestError(f"the engine is down: {self.dead}")
             if self.num_waiting >= self.max_waiting_requests:
                 raise EngineOverloadedError(
                     f"{self.num_waiting} requests are waiting (bound {self.max_waiting_requests}); retry later")
@@ -141,6 +144,17 @@ class AsyncEngine:
             self._streams.pop(rid, None)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except EngineDeadError as e:
+            # Nothing can be served any more: fail everything in flight, say why, and return
+            # (``tailserve serve`` then exits with the reason).
+            self.dead = str(e)
+            log.error("engine down, failing %d requests in flight: %s", len(self._streams), e)
+            for rid in list(self._streams):
+                self._deliver(rid, EngineRequestError(f"the engine is down: {e}"))
+
+    def _loop(self) -> None:
         while not self._stop.is_set():
             try:
                 if self.engine.has_unfinished_requests():
@@ -153,6 +167,7 @@ class AsyncEngine:
             except queue.Empty:
                 pass
             if not self.engine.has_unfinished_requests():
+                self.engine.check_health()  # idle: a dead worker still takes the engine down
                 continue
             if self._just_added:
                 # The handler that queued a request is still finishing (response headers);
@@ -161,6 +176,8 @@ class AsyncEngine:
                 self._just_added = set()
             try:
                 outputs = self.engine.step()
+            except EngineDeadError:
+                raise
             except EngineStepError as e:  # a bug or a device error in one step: fail its requests, keep serving
                 log.error("engine step failed; failing its %d requests %s: %s", len(e.request_ids), e.request_ids,
                           e, exc_info=e.__cause__)

@@ -50,7 +50,14 @@ class EngineCore:
     def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int] | None = None,
                  worker: Worker | None = None) -> None:
         self.config = config
-        self.worker = worker or Worker(config)
+        if worker is None:
+            if config.tensor_parallel_size > 1:
+                from tailserve.engine.tensor_parallel import TensorParallelExecutor
+
+                worker = TensorParallelExecutor(config)  # type: ignore[assignment]
+            else:
+                worker = Worker(config)
+        self.worker = worker
         self.max_model_len = self.worker.max_model_len
         eos = set(self.worker.arch.eos_token_ids) or set(eos_token_ids or ())
         self.eos_token_ids = frozenset(eos)
@@ -95,7 +102,7 @@ class EngineCore:
         preempted_before = self.scheduler.num_preemptions
         sched = self.scheduler.schedule(t0)
         if sched.is_empty:
-            self.worker.runner.free(sched.finished_ids)
+            self.worker.free(sched.finished_ids)
             return []
         try:
             result = self.worker.execute(sched)

@@ -21,6 +21,16 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: object) -> None:
         self.engine = LLMEngine(EngineConfig(model=model or "builtin", **kwargs))  # type: ignore[arg-type]
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); also done at exit."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

@@ -157,6 +157,14 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
+    def check_health(self) -> None:
+        """Raise ``EngineDeadError`` if the engine cannot go on (a tensor-parallel worker died)."""
+        self.core.worker.check_health()
+
+    def shutdown(self) -> None:
+        """Stop what outlives the engine object (tensor-parallel worker processes)."""
+        self.core.worker.shutdown()
+
     def request_ids(self) -> list[str]:
         """Requests in flight, by the ids callers gave them."""
         return self.output_processor.request_ids()

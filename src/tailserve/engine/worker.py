@@ -18,11 +18,11 @@ from tailserve.attention import get_attention_backend
 from tailserve.config import EngineConfig
 from tailserve.engine.model_runner import ModelRunner, Proposer
 from tailserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from tailserve.errors import ConfigError
+from tailserve.errors import ConfigError, TailserveError
 from tailserve.memory.allocator.control import apply_alloc_conf
 from tailserve.memory.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from tailserve.model.config import ModelArchConfig, load_arch_config, parse_dtype
-from tailserve.model.linear import select_linear_method
+from tailserve.model.linear import SINGLE, TensorParallel, select_linear_method
 from tailserve.model.llama import LlamaFamilyModel
 from tailserve.model.loader import load_model
 from tailserve.platform_info import resolve_auto_dtype
@@ -65,9 +65,16 @@ def plan_draft(config: EngineConfig, device: torch.device, target_dtype: torch.d
 
 
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
+    """One rank's model, caches and runner (the only rank without tensor parallelism; under
+    it, ``engine/tensor_parallel.py`` runs one per process, all on the same scheduler
+    outputs)."""
+
+    def __init__(self, config: EngineConfig, tp: TensorParallel = SINGLE) -> None:
         self.config = config
+        self.tp = tp
         self.device = torch.device(config.device)
+        if tp.size > 1 and self.device.type == "cuda":
+            self.device = torch.device("cuda", tp.rank)
         # Before anything touches CUDA: the caching allocator reads its settings only then.
         self.allocator_settings = apply_alloc_conf(config.cuda_alloc_conf, config.gpu_memory_utilization,
                                                    strict_env=self.device.type == "cuda")
@@ -88,8 +95,13 @@ class Worker:
             dtype, self.dtype_reason = parse_dtype(config.dtype), "--dtype"
         # Platform choices, made once: how linear layers multiply, which attention backend.
         self.linear_method = select_linear_method(self.device, config.cpu_onednn)
-        self.model, self.arch = load_model(self.model_dir, dtype, self.device, max_positions=max_len,
-                                           linear_method=self.linear_method)
+        try:
+            self.model, self.arch = load_model(self.model_dir, dtype, self.device, max_positions=max_len,
+                                               linear_method=self.linear_method, tp=tp)
+        except ValueError as e:
+            if tp.size == 1 or isinstance(e, TailserveError):
+                raise
+            raise ConfigError(f"tensor_parallel_size {tp.size} does not fit this model: {e}") from None
         self.dtype = self.model.embed_tokens.dtype
 
         self.draft_plan = plan_draft(config, self.device, self.dtype)
@@ -106,7 +118,8 @@ class Worker:
                                   f"max_model_len {max_len}")
 
         self.num_blocks = self.determine_num_blocks()
-        self.kv_caches = allocate_kv_caches(self.arch, self.num_blocks, config.block_size, self.dtype, self.device)
+        self.kv_caches = allocate_kv_caches(self.arch, self.num_blocks, config.block_size, self.dtype, self.device,
+                                            tp)
         backend_cls = get_attention_backend("auto")
         self.attn_backend = backend_cls(config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
                                         max_len, self.arch.sliding_window, self.device)
@@ -116,8 +129,9 @@ class Worker:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        """Both models' K/V for one block id: one block id addresses both caches."""
-        per_block = kv_bytes_per_block(self.arch, self.config.block_size, self.dtype)
+        """Both models' K/V for one block id on this rank (its KV heads of the target; the
+        draft model is whole on every rank): one block id addresses both caches."""
+        per_block = kv_bytes_per_block(self.arch, self.config.block_size, self.dtype, self.tp)
         if self.draft_plan is not None:
             per_block += kv_bytes_per_block(self.draft_plan.arch, self.config.block_size, self.draft_plan.dtype)
         return per_block
@@ -157,3 +171,13 @@ class Worker:
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(sched)
+
+    def free(self, request_ids: list[str]) -> None:
+        """Drop finished requests' state (reported by a step with nothing to compute)."""
+        self.runner.free(request_ids)
+
+    def check_health(self) -> None:
+        """Raise ``EngineDeadError`` if this worker cannot go on (one process: never)."""
+
+    def shutdown(self) -> None:
+        """Release what outlives the object (one process: nothing)."""

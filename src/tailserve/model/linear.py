@@ -260,3 +260,39 @@ class RowParallelLinear(Linear):
         if self.tp.size > 1:
             torch.distributed.all_reduce(y)
         return y
+
+
+class VocabParallelLMHead(Linear):
+    """The LM head split by vocabulary rows: rank r holds rows [r * ceil(V/tp), ...) (the
+    last rank fewer when V does not divide), computes its slice of the logits, and an
+    all-gather gives every rank all V (each rank samples the same tokens from them).
+    Tied to a replicated embedding, its weight is a view of that embedding's rows."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = SINGLE) -> None:
+        self.per_rank = -(-vocab_size // tp.size)
+        self.start = min(tp.rank * self.per_rank, vocab_size)
+        self.end = min(self.start + self.per_rank, vocab_size)
+        super().__init__(self.end - self.start, hidden_size, bias=False)
+        self.tp = tp
+        self.vocab_size = vocab_size
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id: object = None, name: str = "") -> None:
+        _check(name, loaded, (self.vocab_size, param.shape[1]))
+        param.data.copy_(_read(loaded, (slice(self.start, self.end),)))
+
+    def tie(self, embedding: nn.Parameter) -> None:
+        """Share the (full, replicated) embedding's storage: this rank's rows of it."""
+        if self.tp.size == 1:
+            self.weight = embedding
+        else:
+            self.weight = nn.Parameter(embedding.data[self.start : self.end], requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.method.apply(self, x)  # (N, this rank's rows)
+        if self.tp.size == 1:
+            return y
+        if y.shape[-1] < self.per_rank:  # equal sizes for the gather; the padding ends up last
+            y = F.pad(y, (0, self.per_rank - y.shape[-1]))
+        parts = [torch.empty_like(y) for _ in range(self.tp.size)]
+        torch.distributed.all_gather(parts, y.contiguous())
+        return torch.cat(parts, dim=-1)[..., : self.vocab_size]

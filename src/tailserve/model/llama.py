@@ -23,6 +23,7 @@ from tailserve.model.linear import (
     QKVParallelLinear,
     RowParallelLinear,
     TensorParallel,
+    VocabParallelLMHead,
 )
 from tailserve.model.rope import RotaryEmbedding
 
@@ -117,8 +118,9 @@ class LlamaFamilyModel(nn.Module):
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # Replicated on every rank for now (a vocabulary-parallel head needs a logits gather).
-        self.lm_head = Linear(cfg.vocab_size, cfg.hidden_size, bias=False)
+        # The embedding is replicated on every rank (a lookup, no collective); the head is
+        # split by vocabulary rows and gathered (model/linear.py VocabParallelLMHead).
+        self.lm_head = VocabParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         self.tied = cfg.tie_word_embeddings
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None, kv_caches: list[torch.Tensor],

@@ -140,7 +140,7 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype | None = None,
     with ExitStack() as stack:
         load_weights(model, _TensorSource(files, stack))
     if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens
+        model.lm_head.tie(model.embed_tokens)
     model.rotary.to(device)
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
     if leftover:  # a bug in the loaders, not a user error

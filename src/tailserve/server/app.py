@@ -449,6 +449,8 @@ class Server:
         return Response(self.engine.metrics_exposition(self.async_engine.num_waiting), media_type=CONTENT_TYPE_LATEST)
 
     async def health(self, request: Request) -> Response:
+        if self.async_engine.dead is not None:  # for the moments before the process exits
+            return JSONResponse({"status": "dead", "reason": self.async_engine.dead}, status_code=503)
         return JSONResponse(self.engine.health())
 
     async def version(self, request: Request) -> Response:

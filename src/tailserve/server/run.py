@@ -137,11 +137,16 @@ def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000, htt
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
-    server.async_engine.run_forever()  # the engine loop, on the main thread, until stop()
-    stop()
-    thread.join(timeout=30)
+    try:
+        server.async_engine.run_forever()  # the engine loop, on the main thread, until stop()
+    finally:
+        stop()
+        thread.join(timeout=30)
+        engine.shutdown()
     if failure:
         raise SystemExit(f"tailserve: error: HTTP server failed: {failure[0]}")
+    if server.async_engine.dead is not None:
+        raise SystemExit(f"tailserve: error: engine down: {server.async_engine.dead}")
 
 
 def check_bindable(host: str, port: int) -> None:
