@@ -129,6 +129,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     elif args.port == 65535:
         raise ConfigError("--port 65535 leaves no port for the h2c listener (--port + 1); pass --http2-port N "
                           "or --http2-port 0")
+    if args.ray_replicas is not None:
+        return _serve_on_ray(args)
     http2_port = resolve_http2_port(args.port, args.http2_port)
     check_bindable(args.host, args.port)  # fail before spending seconds loading the model
     if http2_port:
@@ -144,6 +146,50 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     run_server(engine, host=args.host, port=args.port, http2_port=http2_port, api_key=args.api_key,
                max_body_bytes=parse_bytes(args.max_request_body), max_waiting_requests=args.max_waiting_requests,
                access_log=args.access_log, model_aliases=aliases)
+    return 0
+
+
+def _serve_on_ray(args: argparse.Namespace) -> int:
+    """``--ray-replicas N``: N engines as Ray Serve replicas behind one endpoint on --port
+    (tailserve/integrations/ray_serve.py), until SIGINT/SIGTERM."""
+    import signal
+    import threading
+
+    if args.ray_replicas < 1:
+        raise ConfigError(f"--ray-replicas must be >= 1, got {args.ray_replicas}")
+    if args.http2_port:
+        raise ConfigError("--http2-port: Ray Serve's proxy speaks HTTP/1.1 only; drop it with --ray-replicas")
+    if args.access_log:
+        raise ConfigError("--access-log: Ray Serve logs each request itself; drop it with --ray-replicas")
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise ConfigError("--ray-replicas needs Ray Serve: pip install 'tailserve[ray]'") from None
+    from tailserve.integrations.ray_serve import build_openai_app
+    from tailserve.server.run import check_bindable
+
+    check_bindable(args.host, args.port)
+    kw = _engine_kwargs(args)
+    kw.update(model=args.model, enable_metrics=not args.disable_metrics, gateway_metrics=args.gateway_metrics)
+    names = list(args.served_model_name or ([args.model] if args.model else ["builtin"]))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    ray.init(num_cpus=max(cores, args.ray_replicas), include_dashboard=False)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(build_openai_app(
+        num_replicas=args.ray_replicas, engine_kwargs=kw, served_model_names=names,
+        num_cpus_per_replica=max(cores, args.ray_replicas) / args.ray_replicas,
+        server_kwargs={"api_key": args.api_key, "max_body_bytes": parse_bytes(args.max_request_body),
+                       "max_waiting_requests": args.max_waiting_requests}), route_prefix="/", name="tailserve")
+    print(f"serving {names[0]} on http://{args.host}:{args.port} with {args.ray_replicas} Ray Serve replicas",
+          file=sys.stderr)
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        pass
+    serve.shutdown()
+    ray.shutdown()
     return 0
 
 
@@ -302,6 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="beyond this many waiting requests, answer 429 with Retry-After")
     srv.add_argument("--max-request-body", default="1MiB", help="larger bodies get 413")
     srv.add_argument("--disable-metrics", action="store_true")
+    srv.add_argument("--ray-replicas", type=int, default=None, metavar="N",
+                     help="run N engines as Ray Serve replicas behind one endpoint, with prefix-aware routing "
+                          "(needs pip install 'tailserve[ray]'; see docs/scaling.md)")
     srv.add_argument("--gateway-metrics", action="store_true",
                      help="also export the load gauges Kubernetes inference gateways read, under vLLM's names "
                           "(vllm:num_requests_waiting, vllm:num_requests_running, vllm:kv_cache_usage_perc, "
