@@ -24,7 +24,8 @@ import sys
 from tailserve.memory.allocator.simulator import TraceEvent, simulate_trace
 
 MiB = 1 << 20
-CONFS = ["", "max_split_size_mb:128", "roundup_power2_divisions:4", "max_split_size_mb:64,roundup_power2_divisions:8"]
+CONFS = ["", "max_split_size_mb:128", "roundup_power2_divisions:4", "max_split_size_mb:64,roundup_power2_divisions:8",
+         "expandable_segments:True"]
 
 
 def trace_order() -> list[TraceEvent]:

@@ -214,8 +214,76 @@ def test_alloc_conf_parser():
                        ("expandable_segments:yes", "expandable_segments"), ("max_split_size_mb", "key:value")]:
         with pytest.raises(ConfigError, match=names):
             parse_alloc_conf(bad)
-    with pytest.raises(ConfigError, match="expandable_segments"):
-        sim("expandable_segments:True")
+
+
+# -- expandable segments ------------------------------------------------------------------------
+EXP = "expandable_segments:True"
+
+
+def test_expandable_segment_maps_20_mib_pages_as_it_grows():
+    s = sim(EXP)
+    blocks = [s.malloc(4 * MiB) for _ in range(5)]  # 5 x 4 MiB fill one 20 MiB page exactly
+    assert s.stats.reserved_bytes == 20 * MiB and s.stats.num_segments == 1
+    blocks.append(s.malloc(4 * MiB))  # one more page of the same segment, not a new segment
+    assert s.stats.reserved_bytes == 40 * MiB and s.stats.num_segments == 1
+    assert [b.addr - blocks[0].addr for b in blocks] == [i * 4 * MiB for i in range(6)]  # contiguous
+    small = s.malloc(100 * KiB)  # the small pool has its own segment, mapped in 2 MiB pages
+    assert s.stats.reserved_bytes == 42 * MiB and s.stats.num_segments == 2 and small.segment is not None
+
+
+def test_a_freed_block_at_the_mapped_end_grows_instead_of_a_new_segment():
+    """Growing tensors (100, 110, ..., 190 MiB), each freed before the next: without
+    expandable segments every one needs a new segment (a cached block never grows), so all
+    ten are reserved at once (1450 MiB); with them, the freed block at the end of the mapped
+    range grows into new pages, and the peak is the largest tensor rounded to 20 MiB pages."""
+    sizes = [(100 + 10 * i) * MiB for i in range(10)]
+
+    def peak(conf):
+        s = sim(conf)
+        for n in sizes:
+            s.free(s.malloc(n))
+        return s.stats.peak_reserved_bytes, s.stats.num_segments
+
+    assert peak(None) == (sum(sizes), 10)
+    assert peak(EXP) == (200 * MiB, 1)
+
+
+def test_best_fit_counts_the_unmapped_space_behind_a_block():
+    s = sim(EXP)
+    a, b, c = s.malloc(30 * MiB), s.malloc(6 * MiB), s.malloc(10 * MiB)  # one segment: [a][b][c][4 free]
+    s.free(a)  # [30 free][b][c][4 free | unmapped...]
+    # 4 MiB: the 4 MiB block at the end is the tighter fit by size, but it can grow into the
+    # unmapped space behind it, so it counts as huge and the 30 MiB block is chosen.
+    d = s.malloc(4 * MiB)
+    assert d.addr == a.addr
+    assert b.allocated and c.allocated
+
+
+def test_every_expandable_block_splits_and_free_pages_unmap():
+    s = sim(EXP)
+    a = s.malloc(25 * MiB)  # two 20 MiB pages mapped; the 15 MiB left splits off (any rest >= 512 B)
+    b = s.malloc(10 * MiB)  # from that rest
+    assert s.stats.reserved_bytes == 40 * MiB and b.addr == a.addr + 25 * MiB
+    s.free(a)
+    assert s.inactive_split_bytes == 0  # left out for expandable segments, as in PyTorch
+    s.empty_cache()  # a's first page is wholly free: unmapped; the second also holds b: stays
+    assert s.stats.reserved_bytes == 20 * MiB
+    s.free(b)
+    s.empty_cache()  # nothing left: the segment goes
+    assert s.stats.reserved_bytes == 0 and s.stats.num_segments == 0
+    assert s.malloc(25 * MiB).segment is not None  # and a new one is made on demand
+
+
+def test_expandable_mapping_runs_out_of_physical_memory_then_unmaps_and_retries():
+    s = sim(EXP, capacity=100 * MiB)
+    x = s.malloc(60 * MiB)
+    s.free(x)  # 60 MiB mapped and free
+    y = s.malloc(70 * MiB)  # the free block grows by one page: 80 MiB mapped, no retry needed
+    assert s.stats.reserved_bytes == 80 * MiB and s.stats.num_alloc_retries == 0 and y.addr == x.addr
+    s.malloc(10 * MiB)  # the 10 MiB left in the last page
+    with pytest.raises(SimulatedOutOfMemory):
+        s.malloc(40 * MiB)  # 80 + 40 > 100, and no free page to unmap
+    assert s.stats.num_alloc_retries == 1
 
 
 def test_trace_replay_reports_per_configuration(tmp_path):
@@ -291,7 +359,8 @@ def test_the_gpu_comparison_script_predicts_without_a_gpu(tmp_path):
     assert r.returncode == 0, r.stderr
     rows = json.loads(out.read_text())
     order = [x for x in rows if x["trace"] == "order"]
-    assert order and all(x["predicted_peak_reserved_bytes"] == 256 * MiB for x in order)
+    assert order and all(x["predicted_peak_reserved_bytes"] == (140 if "expandable" in x["conf"] else 256) * MiB
+                         for x in order)  # expandable: 128 MiB of tensors in 7 pages of 20 MiB
     assert all(x["real_peak_reserved_bytes"] is None for x in rows)
 
 
@@ -302,6 +371,8 @@ def test_recommend_picks_the_setting_that_fits_and_says_why(tmp_path, capsys):
     # 100 MiB tensors alternate with 30 MiB ones that outlive them: by default each freed
     # 100 MiB segment is split for the next 30 MiB tensor, and the next 100 MiB one needs a
     # new segment; max_split_size keeps the 100 MiB blocks whole for the 100 MiB requests.
+    # Expandable segments do better still: each 100 MiB tensor grows the free block at the
+    # end of the mapped range, so 250 MiB of tensors need 260 MiB (13 pages of 20 MiB).
     ev, addr = [], 0
     for _ in range(6):
         ev += [TraceEvent("alloc", addr, 100 * MiB), TraceEvent("free", addr, 0),
@@ -309,7 +380,9 @@ def test_recommend_picks_the_setting_that_fits_and_says_why(tmp_path, capsys):
         addr += 2
     ranked, why = recommend(ev, capacity_bytes=1 << 40)
     default = next(r for r in ranked if r.conf == "default")
-    assert ranked[0].peak_reserved_bytes < default.peak_reserved_bytes and "max_split_size_mb" in ranked[0].conf
+    assert ranked[0].conf == "expandable_segments:True" and ranked[0].peak_reserved_bytes == 260 * MiB
+    classic = [r for r in ranked if "expandable" not in r.conf]
+    assert classic[0].peak_reserved_bytes < default.peak_reserved_bytes and "max_split_size_mb" in classic[0].conf
     assert why.startswith("use PYTORCH_CUDA_ALLOC_CONF=") and "less than the default" in why
     path = tmp_path / "t.jsonl"
     path.write_text("\n".join(json.dumps({"action": e.action, "addr": e.addr, "size": e.size}) for e in ev))

@@ -256,6 +256,7 @@ BAD = [
     ("/v1/completions", json.dumps({"prompt": "a", "model": "gpt-4"}).encode(), 404, "model_not_found"),
     ("/v1/chat/completions", json.dumps({"messages": [{"content": "no role"}]}).encode(), 422, "invalid_type"),
     ("/v1/nope", b"{}", 404, "not_found"),
+    ("/debug/memory/snapshot", b"", 403, "auth_required"),  # this server has no --api-key
     # Fields this server does not implement: 400 naming the field, never a 200 that ignores it.
     ("/v1/completions", json.dumps({"prompt": "a", "suffix": "b"}).encode(), 400, "unsupported_field"),
     ("/v1/completions", json.dumps({"prompt": "a", "frequency_penalty": 5}).encode(), 400, None),

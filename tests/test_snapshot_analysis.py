@@ -89,3 +89,64 @@ def test_html_page_of_an_analysis_in_headless_chromium(tmp_path, headless_chromi
     text = driver.find_element("tag name", "body").text
     assert "stranded in split segments" in text and "11.0 MiB" in text and "model.py:10" in text
     assert "large/stream 0" in text or "large" in text
+
+
+# -- taking snapshots from a running server ------------------------------------------------------
+def _serve_in_thread(server):
+    """A real HTTP server on 127.0.0.1 for an in-process app (so its engine can be given the
+    stand-in snapshot source: a CPU has no CUDA allocator to snapshot)."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from tailserve.server.app import build_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=port, log_level="warning"))
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    while not srv.started:
+        time.sleep(0.05)
+    return srv, t, f"http://127.0.0.1:{port}"
+
+
+def test_memory_snapshot_from_a_running_server(llama_checkpoint, tmp_path, capsys):
+    import httpx
+    import pytest
+
+    from tailserve.config import EngineConfig
+    from tailserve.engine.llm_engine import LLMEngine
+    from tailserve.errors import ConfigError
+    from tailserve.memory.allocator.snapshot import load_snapshot
+    from tailserve.server.app import Server
+
+    path, _ = llama_checkpoint
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", kv_cache_memory_bytes=4 << 20))
+    with pytest.raises(ConfigError, match="CUDA caching allocator"):  # on a CPU: nothing to snapshot
+        engine.memory_snapshot()
+    server = Server(engine, api_key="secret", start_engine_thread=True)
+    srv, thread, url = _serve_in_thread(server)
+    try:
+        r = httpx.post(url + "/debug/memory/snapshot")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = httpx.post(url + "/debug/memory/snapshot", headers={"Authorization": "Bearer secret"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "no_cuda_device"
+        engine.attach_snapshot_source(lambda: SNAP)  # the stand-in for torch.cuda.memory._snapshot()
+        out = tmp_path / "snap.pickle"
+        assert main(["memory", "snapshot", "--url", url, "--api-key", "secret", "-o", str(out)]) == 0
+        assert load_snapshot(out) == SNAP
+        printed = capsys.readouterr().out
+        assert "3 segments, 34.0 MiB reserved, 5.0 MiB allocated, 11.0 MiB stranded" in printed
+        assert main(["memory", "snapshot", "--url", url, "--api-key", "wrong", "-o", str(out)]) == 2
+        assert "401" in capsys.readouterr().err
+        # The server keeps serving.
+        assert httpx.post(url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2},
+                          headers={"Authorization": "Bearer secret"}).status_code == 200
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+        server.async_engine.shutdown()

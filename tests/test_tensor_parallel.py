@@ -52,6 +52,16 @@ def test_two_ranks_give_the_same_greedy_output_as_one(tiny_checkpoint, mqa_odd_v
     assert not any(p.is_alive() for p in procs)
 
 
+@pytest.mark.slow
+def test_tiny_llama_with_a_draft_model_on_two_ranks(llama_checkpoint, noisy_draft):
+    path, _ = llama_checkpoint
+    kw = dict(dtype="float32", speculative_model=str(noisy_draft), num_speculative_tokens=3)
+    want = _greedy_ids(LLM(str(path), dtype="float32"))
+    with LLM(str(path), tensor_parallel_size=2, **kw) as tp:
+        assert _greedy_ids(tp) == want
+        assert tp.engine.spec_stats.num_drafts > 0 and tp.engine.spec_stats.num_accepted_tokens > 0
+
+
 def test_built_in_model_with_speculative_decoding_on_two_ranks():
     ref = LLM(dtype="float32")
     prompts = ["def add(a, b):", "import os\n", "class Point:\n    def __init__(self"]

@@ -141,6 +141,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     names = list(args.served_model_name or ([args.model] if args.model else []))
     engine = LLMEngine(EngineConfig(model=args.model or "builtin", served_model_name=names[0] if names else None,
                                     enable_metrics=not args.disable_metrics, gateway_metrics=args.gateway_metrics,
+                                    record_memory_history=args.record_memory_history,
                                     **kw))  # type: ignore[arg-type]
     aliases = [*names[1:], engine.model_dir.name]
     run_server(engine, host=args.host, port=args.port, http2_port=http2_port, api_key=args.api_key,
@@ -171,7 +172,8 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
 
     check_bindable(args.host, args.port)
     kw = _engine_kwargs(args)
-    kw.update(model=args.model, enable_metrics=not args.disable_metrics, gateway_metrics=args.gateway_metrics)
+    kw.update(model=args.model, enable_metrics=not args.disable_metrics, gateway_metrics=args.gateway_metrics,
+              record_memory_history=args.record_memory_history)
     names = list(args.served_model_name or ([args.model] if args.model else ["builtin"]))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     ray.init(num_cpus=max(cores, args.ray_replicas), include_dashboard=False)
@@ -190,6 +192,37 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
         pass
     serve.shutdown()
     ray.shutdown()
+    return 0
+
+
+def _cmd_memory_snapshot(args: argparse.Namespace) -> int:
+    import pathlib
+
+    import httpx
+
+    from tailserve.memory.allocator.analyze import analyze_snapshot
+    from tailserve.memory.allocator.snapshot import load_snapshot_bytes
+
+    url = args.url.rstrip("/") + "/debug/memory/snapshot"
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        r = httpx.post(url, headers=headers, timeout=120)
+    except httpx.HTTPError as e:
+        raise ConfigError(f"--url: cannot reach {url}: {e}") from None
+    if r.status_code != 200:
+        try:
+            msg = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            msg = r.text[:200]
+        raise ConfigError(f"the server answered {r.status_code}: {msg}")
+    snap = load_snapshot_bytes(r.content, url)  # plain data only, or refused
+    out = pathlib.Path(args.output)
+    out.write_bytes(r.content)
+    a = analyze_snapshot(snap)
+    mib = 1 << 20
+    print(f"wrote {out} ({len(r.content)} bytes): {a.num_segments} segments, {a.reserved_bytes / mib:.1f} MiB "
+          f"reserved, {a.allocated_bytes / mib:.1f} MiB allocated, {a.stranded_bytes / mib:.1f} MiB stranded in "
+          f"split blocks; details: tailserve memory analyze {out}")
     return 0
 
 
@@ -348,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="beyond this many waiting requests, answer 429 with Retry-After")
     srv.add_argument("--max-request-body", default="1MiB", help="larger bodies get 413")
     srv.add_argument("--disable-metrics", action="store_true")
+    srv.add_argument("--record-memory-history", action="store_true",
+                     help="record the CUDA caching allocator's history from start-up, so memory snapshots "
+                          "(POST /debug/memory/snapshot, tailserve memory snapshot) carry allocation sites")
     srv.add_argument("--ray-replicas", type=int, default=None, metavar="N",
                      help="run N engines as Ray Serve replicas behind one endpoint, with prefix-aware routing "
                           "(needs pip install 'tailserve[ray]'; see docs/scaling.md)")
@@ -406,6 +442,12 @@ def build_parser() -> argparse.ArgumentParser:
     rec_t.add_argument("--max-tokens", type=int, default=32)
     rec_t.set_defaults(func=_cmd_memory_record)
     _add_engine_args(rec_t)
+    snp = mem_sub.add_parser("snapshot", help="fetch a CUDA memory snapshot from a running tailserve server "
+                             "(needs its --api-key) and summarise it")
+    snp.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    snp.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="the server's --api-key")
+    snp.add_argument("-o", "--output", default="memory_snapshot.pickle", help="where to write the snapshot")
+    snp.set_defaults(func=_cmd_memory_snapshot)
     ana = mem_sub.add_parser("analyze", help="explain a PyTorch memory snapshot: pools, stranded bytes, sites, a map")
     ana.add_argument("snapshot", help="a pickle from torch.cuda.memory._dump_snapshot (loaded as plain data only)")
     ana.add_argument("--png", help="also write the segment map as a PNG here")

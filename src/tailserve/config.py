@@ -101,6 +101,9 @@ class EngineConfig:
     # use (torch.cuda.set_per_process_memory_fraction; needed for garbage collection).
     cuda_alloc_conf: str | None = None
     gpu_memory_utilization: float | None = None
+    # Record the CUDA caching allocator's history from start-up, for memory snapshots with
+    # allocation sites and device_traces (memory/allocator/snapshot.py). CUDA only.
+    record_memory_history: bool = False
     # Tensor parallelism: one process per rank (engine/tensor_parallel.py); gloo on the
     # CPU, NCCL on CUDA (rank r on cuda:r). kv_cache_memory_bytes is per rank.
     tensor_parallel_size: int = 1
@@ -119,6 +122,8 @@ class EngineConfig:
         if tp > 1 and self.device not in ("cpu", "cuda"):
             raise ConfigError(f"with tensor_parallel_size > 1, device must be cpu or cuda (rank r uses cuda:r), "
                               f"got {self.device!r}")
+        if self.record_memory_history and not self.device.startswith("cuda"):
+            raise ConfigError("record_memory_history records the CUDA caching allocator: it needs device cuda")
         if self.gateway_metrics and not self.enable_metrics:
             raise ConfigError("gateway_metrics needs metrics (drop --disable-metrics)")
         if isinstance(self.block_size, bool) or self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

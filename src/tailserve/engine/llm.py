@@ -21,6 +21,19 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: object) -> None:
         self.engine = LLMEngine(EngineConfig(model=model or "builtin", **kwargs))  # type: ignore[arg-type]
 
+    def memory_snapshot(self, path: str | None = None) -> dict[str, object]:
+        """The CUDA caching allocator's snapshot (needs a CUDA device); with ``path``, also
+        written there as ``torch.cuda.memory._dump_snapshot`` writes it, for
+        ``tailserve memory analyze``."""
+        snap = self.engine.memory_snapshot()
+        if path is not None:
+            import pathlib
+
+            from tailserve.memory.allocator.snapshot import snapshot_bytes
+
+            pathlib.Path(path).write_bytes(snapshot_bytes(snap))
+        return snap
+
     def shutdown(self) -> None:
         """Stop the engine's worker processes (tensor parallelism); also done at exit."""
         self.engine.shutdown()

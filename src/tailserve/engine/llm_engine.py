@@ -12,6 +12,8 @@ from __future__ import annotations
 import itertools
 import pathlib
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -22,8 +24,9 @@ from tailserve.engine.output_processor import OutputProcessor
 from tailserve.engine.parallel_sampling import child_params, child_request_id
 from tailserve.engine.processor import PreparedRequest, Processor, Prompt
 from tailserve.engine.request import RequestStatus
-from tailserve.errors import InvalidRequestError
+from tailserve.errors import ConfigError, InvalidRequestError
 from tailserve.memory.allocator.monitor import AllocatorMonitor
+from tailserve.memory.allocator.snapshot import cuda_snapshot
 from tailserve.memory.kv_figures import KVCacheFigures
 from tailserve.metrics.prometheus import PrometheusMetrics
 from tailserve.metrics.timeline import RequestMetrics
@@ -59,6 +62,9 @@ class LLMEngine:
             self.prometheus.alloc_conf_info.labels(self.model_name, a.text or "default", a.source).set(1)
         self._ids = itertools.count()
         self.allocator_monitor: AllocatorMonitor | None = None
+        # Where memory snapshots come from: the CUDA allocator, or nothing on a CPU.
+        self.snapshot_source: Callable[[], dict[str, Any]] | None = cuda_snapshot if worker.device.type == "cuda" \
+            else None
         if worker.device.type == "cuda":
             device = worker.device
             self.attach_allocator_monitor(AllocatorMonitor(lambda: torch.cuda.memory_stats(device)))
@@ -70,6 +76,18 @@ class LLMEngine:
             prom = self.prometheus
             monitor.on_sample = lambda m: prom.observe_allocator(m.figures())
         self.allocator_monitor = monitor
+
+    def attach_snapshot_source(self, source: Callable[[], dict[str, Any]] | None) -> None:
+        """Take memory snapshots from ``source`` (a stand-in where no CUDA device exists)."""
+        self.snapshot_source = source
+
+    def memory_snapshot(self) -> dict[str, Any]:
+        """The CUDA caching allocator's snapshot now, as plain data (``_dump_snapshot``'s
+        dict; with ``record_memory_history`` it has the allocation history and sites)."""
+        if self.snapshot_source is None:
+            raise ConfigError(f"memory snapshots are of the CUDA caching allocator; this engine runs on "
+                              f"{self.core.worker.device}, which has none")
+        return self.snapshot_source()
 
     def health(self) -> dict[str, object]:
         """``{"status": "ok" | "degraded", ...}``: degraded while the allocator monitor alerts."""

@@ -20,6 +20,7 @@ from tailserve.engine.model_runner import ModelRunner, Proposer
 from tailserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tailserve.errors import ConfigError, TailserveError
 from tailserve.memory.allocator.control import apply_alloc_conf
+from tailserve.memory.allocator.snapshot import start_recording
 from tailserve.memory.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from tailserve.model.config import ModelArchConfig, load_arch_config, parse_dtype
 from tailserve.model.linear import SINGLE, TensorParallel, select_linear_method
@@ -82,6 +83,8 @@ class Worker:
             raise ConfigError("device cuda requested but torch.cuda.is_available() is False")
         if self.device.type == "cuda" and config.gpu_memory_utilization is not None:
             torch.cuda.set_per_process_memory_fraction(config.gpu_memory_utilization, self.device)
+        if config.record_memory_history:  # before the weights load, so their sites are in it
+            start_recording()
         self.model_dir = pathlib.Path(resolve_model_path(config.model))
         arch = load_arch_config(self.model_dir)
         max_len = config.max_model_len or arch.max_position_embeddings

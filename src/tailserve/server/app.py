@@ -32,7 +32,8 @@ from starlette.routing import Route
 import tailserve
 from tailserve.engine.async_engine import AsyncEngine, EngineOverloadedError, EngineRequestError
 from tailserve.engine.llm_engine import LLMEngine
-from tailserve.errors import InvalidRequestError
+from tailserve.errors import ConfigError, InvalidRequestError
+from tailserve.memory.allocator.snapshot import snapshot_bytes
 from tailserve.metrics.timeline import RequestMetrics
 from tailserve.outputs import CompletionOutput, RequestOutput
 from tailserve.server.chat import ChatTemplate
@@ -453,6 +454,20 @@ class Server:
             return JSONResponse({"status": "dead", "reason": self.async_engine.dead}, status_code=503)
         return JSONResponse(self.engine.health())
 
+    async def memory_snapshot(self, request: Request) -> Response:
+        """The CUDA caching allocator's snapshot, pickled as ``_dump_snapshot`` writes it.
+        It exposes allocation sites (source paths), so it goes to authenticated requests only."""
+        if self.api_key is None:
+            raise APIError(403, "memory snapshots are served to authenticated requests only: start the server "
+                                "with --api-key", code="auth_required")
+        self._check_auth(request)
+        try:
+            snap = await asyncio.to_thread(self.engine.memory_snapshot)
+        except ConfigError as e:
+            raise APIError(400, str(e), code="no_cuda_device") from None
+        return Response(snapshot_bytes(snap), media_type="application/octet-stream",
+                        headers={"Content-Disposition": 'attachment; filename="memory_snapshot.pickle"'})
+
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": tailserve.__version__})
 
@@ -491,6 +506,7 @@ def build_app(server: Server) -> Starlette:
         Route("/metrics", server.metrics, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/version", server.version, methods=["GET"]),
+        Route("/debug/memory/snapshot", server.memory_snapshot, methods=["POST"]),
     ]
     app = Starlette(routes=routes, exception_handlers={
         APIError: _api_error, HTTPException: _http_error, EngineRequestError: _engine_error, Exception: _unexpected,

@@ -24,8 +24,18 @@ The rules, as in the C++ source (each pinned by a unit test in tests/test_alloca
   large-pool cached blocks whose age (pool searches since their last use) is at least the
   average age, in rounds.
 
-Not modelled yet: expandable segments (refused with a clear error), CUDA-graph private
-pools, and cross-stream uses (``record_stream``) that delay a free.
+**Expandable segments** (``expandable_segments:True``): one virtual address range per pool
+and stream (about the device's memory), mapped to physical memory in pages (2 MiB small pool,
+20 MiB large pool) as needed. A miss maps pages after the lowest free stretch that, with
+the unmapped space after it, is big enough, so a freed block at the end of the mapped part
+grows instead of a new segment being reserved; every block splits (a remainder >= 512 B);
+best fit counts a block's unmapped space behind it as part of its size; releasing the cache
+unmaps the whole free pages inside free blocks (partly used pages stay mapped), and a
+segment with nothing mapped is released. Their free blocks are left out of
+``inactive_split_bytes``, as PyTorch's statistics leave them out.
+
+Not modelled: CUDA-graph private pools, and cross-stream uses (``record_stream``) that
+delay a free.
 """
 
 from __future__ import annotations
@@ -64,6 +74,8 @@ class Block:
     prev: Block | None = None
     next: Block | None = None
     gc_count: int = 0
+    segment: ExpandableSegment | None = None  # set for blocks of an expandable segment
+    mapped: bool = True  # False: an expandable segment's address space with no memory behind it
 
     @property
     def is_split(self) -> bool:
@@ -73,13 +85,39 @@ class Block:
         return (self.stream, self.size, self.addr)
 
 
+@dataclass(eq=False)
+class ExpandableSegment:
+    """One virtual address range of ``size`` bytes, mapped in pages of ``page`` bytes."""
+
+    stream: int
+    base: int
+    size: int
+    page: int
+
+
 class _Pool:
-    """Free blocks ordered by (stream, size, address), as the C++ std::set is."""
+    """Free blocks ordered by (stream, size, address), as the C++ std::set is; and the
+    unmapped stretches of expandable segments, by (stream, address)."""
 
     def __init__(self, small: bool) -> None:
         self.small = small
         self.keys: list[tuple[int, int, int]] = []
         self.blocks: dict[tuple[int, int, int], Block] = {}
+        self.unmapped: list[tuple[int, int]] = []
+        self.unmapped_blocks: dict[tuple[int, int], Block] = {}
+
+    def insert_unmapped(self, b: Block) -> None:
+        k = (b.stream, b.addr)
+        bisect.insort(self.unmapped, k)
+        self.unmapped_blocks[k] = b
+
+    def remove_unmapped(self, b: Block) -> None:
+        k = (b.stream, b.addr)
+        i = bisect.bisect_left(self.unmapped, k)
+        if i == len(self.unmapped) or self.unmapped[i] != k:
+            raise RuntimeError(f"unmapped block {k} is not in the pool")
+        del self.unmapped[i]
+        del self.unmapped_blocks[k]
 
     def insert(self, b: Block) -> None:
         k = b.key()
@@ -120,8 +158,7 @@ class CachingAllocatorSimulator:
     def __init__(self, conf: AllocatorConf | str | None = None, capacity_bytes: int = 80 << 30,
                  memory_fraction: float | None = None) -> None:
         self.conf = conf if isinstance(conf, AllocatorConf) else parse_alloc_conf(conf)
-        if self.conf.expandable_segments:
-            raise ConfigError("the allocator simulator does not model expandable_segments yet")
+        self.expandable = self.conf.expandable_segments
         self.capacity = capacity_bytes
         self.set_fraction = memory_fraction is not None
         self.allowed = int(memory_fraction * capacity_bytes) if memory_fraction is not None else capacity_bytes
@@ -149,7 +186,7 @@ class CachingAllocatorSimulator:
 
     def should_split(self, block: Block, size: int) -> bool:
         remaining = block.size - size
-        if block.small:
+        if block.small or self.expandable:
             return remaining >= K_MIN_BLOCK
         return size < self.conf.max_split_size and remaining > K_SMALL_SIZE
 
@@ -164,6 +201,17 @@ class CachingAllocatorSimulator:
         if i == len(pool.keys) or pool.keys[i][0] != stream:
             return None
         block = pool.blocks[pool.keys[i]]
+        if block.segment is not None:
+            # Best fit by the size a block can grow to: a free block with unmapped space
+            # behind it counts that space too, so a tighter block further on may win.
+            def grown(b: Block) -> int:
+                return b.size + (b.next.size if b.next is not None and not b.next.mapped else 0)
+
+            j = i + 1
+            while block.segment is not None and j < len(pool.keys) and pool.keys[j][0] == stream \
+                    and grown(pool.blocks[pool.keys[j]]) < grown(block):
+                block = pool.blocks[pool.keys[j]]
+                j += 1
         max_split = self.conf.max_split_size
         if size < max_split and block.size >= max_split:
             return None  # an oversize block never serves a request below max_split_size
@@ -173,10 +221,15 @@ class CachingAllocatorSimulator:
         pool.remove(block)
         return block
 
-    def _alloc_block(self, pool: _Pool, stream: int, alloc_size: int, is_retry: bool) -> Block | None:
+    def _alloc_block(self, pool: _Pool, stream: int, alloc_size: int, is_retry: bool,
+                     size: int = 0) -> Block | None:
         if is_retry:
             self.stats.num_alloc_retries += 1
         limit = self.allowed if self.set_fraction else self.capacity
+        if self.set_fraction and self.stats.reserved_bytes + alloc_size > limit:
+            return None  # checked with the classic segment size, expandable or not (as in C++)
+        if self.expandable:
+            return self._allocate_expandable(pool, stream, size)
         if self.stats.reserved_bytes + alloc_size > limit:
             return None
         self.stats.reserved_bytes += alloc_size
@@ -189,12 +242,129 @@ class CachingAllocatorSimulator:
         self.stats.reserved_bytes -= block.size
         self.stats.num_segments -= 1
 
+    # -- expandable segments -------------------------------------------------------------------
+    def _find_expandable(self, pool: _Pool, stream: int, size: int) -> Block:
+        """The lowest-addressed free stretch (free mapped and unmapped blocks in a row) of at
+        least ``size`` bytes, starting at an unmapped block or the free block just before it;
+        else a new segment's whole unmapped range."""
+
+        def free(b: Block | None) -> bool:
+            return b is not None and not b.allocated
+
+        i = bisect.bisect_left(pool.unmapped, (stream, -1))
+        while i < len(pool.unmapped) and pool.unmapped[i][0] == stream:
+            c = pool.unmapped_blocks[pool.unmapped[i]]
+            if free(c.prev):
+                c = c.prev
+            room, b = 0, c
+            while room < size and free(b):
+                room += b.size
+                b = b.next
+            if room >= size:
+                return c
+            i += 1
+        page = K_SMALL_BUFFER if pool.small else K_LARGE_BUFFER
+        # PyTorch reserves about the device's memory (plus an eighth) of address space per segment.
+        va = page * -(-(self.capacity + self.capacity // 8) // page)
+        seg = ExpandableSegment(stream, next(self._next_addr), va, page)
+        c = Block(stream, va, seg.base, pool.small, segment=seg, mapped=False)
+        pool.insert_unmapped(c)
+        self.stats.num_segments += 1
+        return c
+
+    def _map(self, pool: _Pool, block: Block, size: int) -> bool:
+        """Map the pages covering the first ``size`` bytes of an unmapped block."""
+        page = block.segment.page  # type: ignore[union-attr]
+        mapped = min(block.size, page * -(-size // page))
+        limit = self.allowed if self.set_fraction else self.capacity
+        if self.stats.reserved_bytes + mapped > limit:
+            return False  # no physical memory left to map
+        pool.remove_unmapped(block)
+        block.mapped = True
+        if mapped < block.size:
+            rest = Block(block.stream, block.size - mapped, block.addr + mapped, block.small, prev=block,
+                         next=block.next, segment=block.segment, mapped=False)
+            if block.next is not None:
+                block.next.prev = rest
+            block.next = rest
+            block.size = mapped
+            pool.insert_unmapped(rest)
+        self._merge_free_neighbours(pool, block)
+        pool.insert(block)
+        self.stats.reserved_bytes += mapped
+        self.stats.peak_reserved_bytes = max(self.stats.peak_reserved_bytes, self.stats.reserved_bytes)
+        return True
+
+    def _allocate_expandable(self, pool: _Pool, stream: int, size: int) -> Block | None:
+        c = self._find_expandable(pool, stream, size)
+        if not c.mapped and not self._map(pool, c, min(c.size, size)):
+            return None
+        while c.size < size:  # a free mapped block followed by unmapped space: map some of it
+            nxt = c.next
+            assert nxt is not None and not nxt.mapped
+            if not self._map(pool, nxt, min(size - c.size, nxt.size)):
+                return None
+            c = nxt  # it absorbed c when it was mapped
+        pool.remove(c)
+        return c
+
+    def _unmap(self, pool: _Pool, block: Block) -> None:
+        """Unmap the whole pages inside a free block; the partly used pages at its ends stay."""
+        page = block.segment.page  # type: ignore[union-attr]
+        base = block.segment.base  # type: ignore[union-attr]
+        begin = base + page * -(-(block.addr - base) // page)
+        end = base + page * ((block.addr + block.size - base) // page)
+        if begin >= end:
+            return
+        pool.remove(block)
+        if begin > block.addr:  # prev -> before (free, mapped) -> block
+            before = Block(block.stream, begin - block.addr, block.addr, block.small, prev=block.prev, next=block,
+                           segment=block.segment)
+            if block.prev is not None:
+                block.prev.next = before
+            block.prev = before
+            pool.insert(before)
+        if block.addr + block.size > end:  # block -> after (free, mapped) -> next
+            after = Block(block.stream, block.addr + block.size - end, end, block.small, prev=block, next=block.next,
+                          segment=block.segment)
+            if block.next is not None:
+                block.next.prev = after
+            block.next = after
+            pool.insert(after)
+        block.addr, block.size, block.mapped = begin, end - begin, False
+        self.stats.reserved_bytes -= end - begin
+        self._merge_free_neighbours(pool, block)
+        pool.insert_unmapped(block)
+        if block.prev is None and block.next is None:  # nothing mapped any more: release the range
+            pool.remove_unmapped(block)
+            self.stats.num_segments -= 1
+
+    def _merge_free_neighbours(self, pool: _Pool, block: Block) -> None:
+        """Absorb free neighbours of the same kind (mapped with mapped), as try_merge_blocks."""
+        for neighbour in (block.prev, block.next):
+            if neighbour is None or neighbour.allocated or neighbour.mapped != block.mapped:
+                continue
+            if neighbour.mapped:
+                pool.remove(neighbour)
+            else:
+                pool.remove_unmapped(neighbour)
+            if neighbour is block.prev:
+                block.addr = neighbour.addr
+                block.prev = neighbour.prev
+                if block.prev is not None:
+                    block.prev.next = block
+            else:
+                block.next = neighbour.next
+                if block.next is not None:
+                    block.next.prev = block
+            block.size += neighbour.size
+
     def _release_available_cached_blocks(self, pool: _Pool, stream: int, size: int) -> bool:
         """Free oversize cached blocks (only with max_split_size): one large enough, else
         the largest ones of the stream until their sizes add up."""
         max_split = self.conf.max_split_size
-        if math.isinf(max_split):
-            return False
+        if math.isinf(max_split) or self.expandable:
+            return False  # (PyTorch cannot release expandable blocks this way either)
         key_size = max(size, int(max_split))
         i = pool.lower_bound(stream, key_size)
         if i < len(pool.keys) and pool.keys[i][0] == stream:
@@ -215,9 +385,14 @@ class CachingAllocatorSimulator:
 
     def _release_cached_blocks(self) -> bool:
         for pool in (self.large_pool, self.small_pool):
+            to_unmap = []
             for b in list(pool):
-                if not b.is_split:
+                if b.segment is not None:
+                    to_unmap.append(b)
+                elif not b.is_split:
                     self._release_block(pool, b)
+            for b in to_unmap:
+                self._unmap(pool, b)
         return True
 
     def _garbage_collect(self) -> None:
@@ -225,7 +400,7 @@ class CachingAllocatorSimulator:
         if self.stats.reserved_bytes <= threshold:
             return
         target = self.stats.reserved_bytes - threshold
-        freeable = [b for b in self.large_pool if not b.is_split]
+        freeable = [b for b in self.large_pool if not b.is_split and b.segment is None]
         if not freeable:
             return
         total_age = float(sum(b.gc_count for b in freeable))
@@ -235,7 +410,7 @@ class CachingAllocatorSimulator:
             age_threshold = total_age / count
             freed_any = False
             for b in list(self.large_pool):
-                if not b.is_split and b.gc_count >= age_threshold:
+                if not b.is_split and b.segment is None and b.gc_count >= age_threshold:
                     freed_any = True
                     reclaimed += b.size
                     total_age -= b.gc_count
@@ -251,19 +426,20 @@ class CachingAllocatorSimulator:
         if block is None:
             if self._gc_enabled():
                 self._garbage_collect()
-            block = self._alloc_block(pool, stream, alloc_size, False)
+            block = self._alloc_block(pool, stream, alloc_size, False, size)
             if block is None and self._release_available_cached_blocks(pool, stream, size):
-                block = self._alloc_block(pool, stream, alloc_size, False)
+                block = self._alloc_block(pool, stream, alloc_size, False, size)
             if block is None and self._release_cached_blocks():
-                block = self._alloc_block(pool, stream, alloc_size, True)
+                block = self._alloc_block(pool, stream, alloc_size, True, size)
         if block is None:
             self.stats.num_ooms += 1
             raise SimulatedOutOfMemory(
                 f"tried to allocate {alloc_size} bytes with {self.stats.reserved_bytes} reserved and "
                 f"{self.stats.allocated_bytes} allocated of {self.allowed if self.set_fraction else self.capacity}")
         if self.should_split(block, size):
-            rest = Block(stream, block.size - size, block.addr + size, block.small, prev=None, next=block.next)
-            used = Block(stream, size, block.addr, block.small, prev=block.prev, next=rest)
+            rest = Block(stream, block.size - size, block.addr + size, block.small, prev=None, next=block.next,
+                         segment=block.segment)
+            used = Block(stream, size, block.addr, block.small, prev=block.prev, next=rest, segment=block.segment)
             rest.prev = used
             if used.prev is not None:
                 used.prev.next = used
@@ -286,20 +462,7 @@ class CachingAllocatorSimulator:
         self.stats.allocated_bytes -= block.size
         self.stats.requested_bytes -= block.requested
         pool = self.small_pool if block.small else self.large_pool
-        for neighbour in (block.prev, block.next):
-            if neighbour is None or neighbour.allocated:
-                continue
-            pool.remove(neighbour)
-            if neighbour is block.prev:
-                block.addr = neighbour.addr
-                block.prev = neighbour.prev
-                if block.prev is not None:
-                    block.prev.next = block
-            else:
-                block.next = neighbour.next
-                if block.next is not None:
-                    block.next.prev = block
-            block.size += neighbour.size
+        self._merge_free_neighbours(pool, block)
         pool.insert(block)
 
     def empty_cache(self) -> None:
@@ -308,8 +471,10 @@ class CachingAllocatorSimulator:
     # -- figures ---------------------------------------------------------------------------------
     @property
     def inactive_split_bytes(self) -> int:
-        """Free bytes in split blocks: stranded in segments that are partly in use."""
-        return sum(b.size for pool in (self.small_pool, self.large_pool) for b in pool.blocks.values() if b.is_split)
+        """Free bytes in split blocks: stranded in segments that are partly in use (an
+        expandable segment's free pages can be unmapped, so PyTorch leaves them out)."""
+        return sum(b.size for pool in (self.small_pool, self.large_pool) for b in pool.blocks.values()
+                   if b.is_split and b.segment is None)
 
     @property
     def largest_free_block(self) -> int:
@@ -410,6 +575,7 @@ RECOMMEND_CANDIDATES: tuple[str, ...] = (
     "roundup_power2_divisions:2", "roundup_power2_divisions:4", "roundup_power2_divisions:8",
     "max_split_size_mb:128,roundup_power2_divisions:4", "max_split_size_mb:256,roundup_power2_divisions:4",
     "max_split_size_mb:128,roundup_power2_divisions:8", "max_split_size_mb:512,roundup_power2_divisions:8",
+    "expandable_segments:True",
 )
 
 

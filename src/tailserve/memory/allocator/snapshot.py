@@ -1,4 +1,10 @@
-"""PyTorch memory snapshots (``torch.cuda.memory._dump_snapshot``), read safely.
+"""PyTorch memory snapshots (``torch.cuda.memory._dump_snapshot``): taken, and read safely.
+
+Taking one: ``start_recording`` turns on the allocator's history (the ``device_traces`` and
+each block's frames) and ``cuda_snapshot`` returns the snapshot as plain data, the dict that
+``_dump_snapshot`` pickles; ``snapshot_bytes`` is that pickle. The engine records when
+configured to (``record_memory_history``), and the server hands snapshots to authenticated
+requests only (``POST /debug/memory/snapshot``; ``tailserve memory snapshot``).
 
 A snapshot is a pickle of plain data (dicts, lists, strings, numbers). Unpickling can run
 arbitrary code through a global reference (``os.system`` and friends), so the loader
@@ -28,16 +34,42 @@ class _PlainDataUnpickler(pickle.Unpickler):
                                   "a memory snapshot is plain data, and loading this one would run code")
 
 
+# Entries of allocation history kept (a ring buffer): each is a few hundred bytes with frames.
+DEFAULT_HISTORY_ENTRIES = 100_000
+
+
+def start_recording(max_entries: int = DEFAULT_HISTORY_ENTRIES) -> None:
+    """Record the CUDA caching allocator's history from now on (stack frames included)."""
+    import torch
+
+    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+
+
+def cuda_snapshot() -> dict[str, Any]:
+    """The CUDA caching allocator's state now (segments, blocks, history if recorded)."""
+    import torch
+
+    return torch.cuda.memory._snapshot()
+
+
+def snapshot_bytes(snap: dict[str, Any]) -> bytes:
+    """The snapshot as ``_dump_snapshot`` writes it (a pickle of plain data)."""
+    return pickle.dumps(snap)
+
+
 def load_snapshot(path: str | pathlib.Path) -> dict[str, Any]:
-    data = pathlib.Path(path).read_bytes()
+    return load_snapshot_bytes(pathlib.Path(path).read_bytes(), str(path))
+
+
+def load_snapshot_bytes(data: bytes, name: str = "snapshot") -> dict[str, Any]:
     try:
         snap = _PlainDataUnpickler(io.BytesIO(data)).load()
     except UnsafeSnapshotError:
         raise
     except Exception as e:  # truncated or not a pickle at all
-        raise ConfigError(f"{path}: not a PyTorch memory snapshot ({type(e).__name__}: {e})") from None
+        raise ConfigError(f"{name}: not a PyTorch memory snapshot ({type(e).__name__}: {e})") from None
     if not isinstance(snap, dict) or "segments" not in snap:
-        raise ConfigError(f"{path}: not a PyTorch memory snapshot (no 'segments')")
+        raise ConfigError(f"{name}: not a PyTorch memory snapshot (no 'segments')")
     return snap
 
 
