@@ -73,3 +73,50 @@ def test_decode_replayed_through_static_buffers_gives_the_eager_logits(tiny_chec
             torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-4)
         for a, b in zip(eager_caches, graph_caches):  # same K/V written (scratch block aside)
             torch.testing.assert_close(a[:, :num_blocks], b[:, :num_blocks])
+
+
+@pytest.mark.parametrize("num_seqs, kvh", [(1, 2), (3, 1)])
+def test_whole_prompts_take_the_causal_path_and_match_the_masked_one(num_seqs, kvh):
+    """Prompts computed from their start skip the mask and the cache gather (is_causal on the
+    step's own K/V); the result equals explicit masked attention over the gathered cache."""
+    import dataclasses
+
+    from tailserve.attention.reference import build_attention_metadata, paged_attention
+
+    torch.manual_seed(0)
+    q_len, h, d, bs = 37, 4, 16, 8
+    blocks = -(-q_len // bs)
+    tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(num_seqs)]
+    meta = build_attention_metadata([q_len] * num_seqs, [q_len] * num_seqs, tables, bs, None, torch.device("cpu"))
+    (group,) = meta.groups
+    assert group.causal and group.fresh and group.mask is None
+    t = q_len * num_seqs
+    q, k, v = torch.randn(t, h, d), torch.randn(t, kvh, d), torch.randn(t, kvh, d)
+    cache = torch.zeros(2, num_seqs * blocks, bs, kvh, d)
+    fast = paged_attention(q, k, v, cache, meta, d ** -0.5)
+    tri = torch.ones(q_len, q_len, dtype=torch.bool).tril()
+    masked = dataclasses.replace(group, causal=False, fresh=False, mask=tri.expand(num_seqs, 1, q_len, q_len).clone())
+    slow = paged_attention(q, k, v, torch.zeros_like(cache), dataclasses.replace(meta, groups=[masked]), d ** -0.5)
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+    # A chunk after a cached prefix is not a whole prompt: it keeps its mask.
+    later = build_attention_metadata([5], [20], [[0, 1, 2]], bs, None, torch.device("cpu"))
+    assert not later.groups[0].causal and later.groups[0].mask is not None
+
+
+def test_the_start_up_warm_up_leaves_no_trace(llama_checkpoint):
+    """Warm-up forwards write only into free, uncached blocks and record nothing: the engine
+    afterwards serves exactly what an engine without warm-up serves."""
+    from tailserve import LLM, SamplingParams
+
+    path, _ = llama_checkpoint
+    prompts = [[5, 6, 7, 8, 9] * 8, [11, 12, 13]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    warm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=2 << 20, warmup=True)
+    assert warm.engine.warmup_s is not None and warm.engine.warmup_s > 0
+    assert warm.engine.block_pool.num_used_blocks == 0 and warm.engine.block_pool.num_cached_blocks == 0
+    reg, labels = warm.engine.prometheus.registry, {"model_name": warm.engine.model_name}
+    assert not reg.get_sample_value("tailserve:generation_tokens_total", labels)  # absent or 0
+    assert not reg.get_sample_value("tailserve:e2e_request_latency_seconds_count", labels)
+    cold = LLM(str(path), dtype="float32", kv_cache_memory_bytes=2 << 20)
+    want = [o.token_ids for o in cold.generate(prompts, params)]
+    assert [o.token_ids for o in warm.generate(prompts, params)] == want

@@ -141,7 +141,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     names = list(args.served_model_name or ([args.model] if args.model else []))
     engine = LLMEngine(EngineConfig(model=args.model or "builtin", served_model_name=names[0] if names else None,
                                     enable_metrics=not args.disable_metrics, gateway_metrics=args.gateway_metrics,
-                                    record_memory_history=args.record_memory_history,
+                                    record_memory_history=args.record_memory_history, warmup=not args.no_warmup,
                                     **kw))  # type: ignore[arg-type]
     aliases = [*names[1:], engine.model_dir.name]
     run_server(engine, host=args.host, port=args.port, http2_port=http2_port, api_key=args.api_key,
@@ -173,7 +173,7 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
     check_bindable(args.host, args.port)
     kw = _engine_kwargs(args)
     kw.update(model=args.model, enable_metrics=not args.disable_metrics, gateway_metrics=args.gateway_metrics,
-              record_memory_history=args.record_memory_history)
+              record_memory_history=args.record_memory_history, warmup=not args.no_warmup)
     names = list(args.served_model_name or ([args.model] if args.model else ["builtin"]))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     ray.init(num_cpus=max(cores, args.ray_replicas), include_dashboard=False)
@@ -381,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="beyond this many waiting requests, answer 429 with Retry-After")
     srv.add_argument("--max-request-body", default="1MiB", help="larger bodies get 413")
     srv.add_argument("--disable-metrics", action="store_true")
+    srv.add_argument("--no-warmup", action="store_true",
+                     help="skip the start-up warm-up (one forward per decode batch size up to 32 and per "
+                          "power-of-two prefill length up to 512), leaving its one-time costs to the first requests")
     srv.add_argument("--record-memory-history", action="store_true",
                      help="record the CUDA caching allocator's history from start-up, so memory snapshots "
                           "(POST /debug/memory/snapshot, tailserve memory snapshot) carry allocation sites")

@@ -101,6 +101,11 @@ class EngineConfig:
     # use (torch.cuda.set_per_process_memory_fraction; needed for garbage collection).
     cuda_alloc_conf: str | None = None
     gpu_memory_utilization: float | None = None
+    # At start-up, run the forward once per decode batch size (1..WARMUP_MAX_BATCH, at most
+    # max_num_seqs) and per power-of-two prefill length (16..512, at most
+    # max_num_batched_tokens), so the kernels' one-time costs per shape are not paid by the
+    # first requests. tailserve serve turns it on (--no-warmup turns it off).
+    warmup: bool = False
     # Record the CUDA caching allocator's history from start-up, for memory snapshots with
     # allocation sites and device_traces (memory/allocator/snapshot.py). CUDA only.
     record_memory_history: bool = False

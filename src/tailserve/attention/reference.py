@@ -35,6 +35,11 @@ class AttentionGroup:
     max_query_len: int
     valid: torch.Tensor | None  # (n_valid,) rows of q_index that are real tokens; None if all
     covers_batch: bool  # q_index is exactly arange(T): no gather/scatter needed
+    # Every row is a whole prompt computed from its start (queries = context, same length,
+    # no window): plain causal attention, with no mask to build and the upper triangle skipped.
+    causal: bool = False
+    # ... and the group is the whole batch: its keys and values are the step's own k and v.
+    fresh: bool = False
 
 
 @dataclass
@@ -123,8 +128,10 @@ def _build_group(ids, query_lens, context_lens, block_tables, block_size, starts
     offsets = torch.arange(block_size, dtype=torch.long)
     kv_slots = (tables[:, :, None] * block_size + offsets).reshape(b, -1)[:, :max_ctx].contiguous()
     uniform_ctx = all(context_lens[i] == max_ctx for i in ids)
-    if max_q == 1 and uniform_ctx and sliding_window is None:
-        mask = None  # every query sees its whole context
+    causal = max_q > 1 and sliding_window is None and all(
+        query_lens[i] == context_lens[i] == max_q for i in ids)
+    if (max_q == 1 and uniform_ctx and sliding_window is None) or causal:
+        mask = None  # every query sees its whole context, or exactly the causal triangle
     else:
         # Causal within the chunk and bounded by each row's own context; padded query rows
         # sit at position 0 so they see slot 0 and never produce an all-masked row (NaN).
@@ -147,6 +154,8 @@ def _build_group(ids, query_lens, context_lens, block_tables, block_size, starts
         max_query_len=max_q,
         valid=valid,
         covers_batch=covers,
+        causal=causal,
+        fresh=causal and covers,
     )
 
 
@@ -194,9 +203,12 @@ def paged_attention(
     for g in meta.groups:
         b, qlen = g.num_seqs, g.max_query_len
         qg = q if g.covers_batch else q.index_select(0, g.q_index)
-        slots = g.kv_slots.reshape(-1)  # a view unless sliced from a wider slot table
-        kg = k_cache.index_select(0, slots)  # (B*C, KVH, D)
-        vg = v_cache.index_select(0, slots)
+        if g.fresh:  # the context is exactly this step's tokens: no gather from the cache
+            kg, vg = k, v
+        else:
+            slots = g.kv_slots.reshape(-1)  # a view unless sliced from a wider slot table
+            kg = k_cache.index_select(0, slots)  # (B*C, KVH, D)
+            vg = v_cache.index_select(0, slots)
         if upcast:
             qg, kg, vg = qg.float(), kg.float(), vg.float()
         qg = qg.view(b, qlen, h, d).transpose(1, 2)  # (B, H, Q, D)
@@ -206,7 +218,8 @@ def paged_attention(
             # SDPA turns a boolean mask into an additive one on every call; do it once per
             # step (the first layer) and let the other layers reuse it.
             g.mask = torch.zeros(g.mask.shape, dtype=qg.dtype, device=qg.device).masked_fill_(~g.mask, float("-inf"))
-        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=gqa)
+        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, is_causal=g.causal, scale=scale,
+                                            enable_gqa=gqa)
         og = og.transpose(1, 2).reshape(b * qlen, h * d).to(q.dtype)  # (B*Q, H*D)
         if g.covers_batch:
             return og

@@ -36,6 +36,9 @@ from tailserve.sampling_params import SamplingParams
 
 __all__ = ["EngineStepError", "LLMEngine", "PreparedRequest", "Prompt"]
 
+# Decode batch sizes warmed at start-up: every size up to this one (each its own shape).
+WARMUP_MAX_BATCH = 32
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
@@ -61,6 +64,9 @@ class LLMEngine:
             a = self.allocator_settings
             self.prometheus.alloc_conf_info.labels(self.model_name, a.text or "default", a.source).set(1)
         self._ids = itertools.count()
+        self.warmup_s: float | None = None
+        if config.warmup:
+            self.warmup_s = self.warm_up()
         self.allocator_monitor: AllocatorMonitor | None = None
         # Where memory snapshots come from: the CUDA allocator, or nothing on a CPU.
         self.snapshot_source: Callable[[], dict[str, Any]] | None = cuda_snapshot if worker.device.type == "cuda" \
@@ -76,6 +82,16 @@ class LLMEngine:
             prom = self.prometheus
             monitor.on_sample = lambda m: prom.observe_allocator(m.figures())
         self.allocator_monitor = monitor
+
+    def warm_up(self) -> float:
+        """Pay the kernels' one-time costs per shape before serving (see EngineConfig.warmup);
+        returns the seconds it took."""
+        t0 = time.perf_counter()
+        c = self.config
+        decode = list(range(1, min(c.max_num_seqs, WARMUP_MAX_BATCH) + 1))
+        prefill = [n for n in (16, 32, 64, 128, 256, 512) if n <= c.max_num_batched_tokens and n < self.max_model_len]
+        self.core.worker.warm_up(decode, prefill)
+        return time.perf_counter() - t0
 
     def attach_snapshot_source(self, source: Callable[[], dict[str, Any]] | None) -> None:
         """Take memory snapshots from ``source`` (a stand-in where no CUDA device exists)."""

@@ -122,6 +122,34 @@ class ModelRunner:
             self.requests.pop(rid, None)
             self._generators.pop(rid, None)
 
+    # -- warm-up -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def warm_up(self, decode_batch_sizes: list[int], prefill_lens: list[int]) -> None:
+        """Run the forward, the logits and the sampler once per shape, so the kernels' one-time
+        set-up per shape (oneDNN primitives, lazy initialisation) is paid now and not by the
+        first requests. Writes K/V only into the first blocks, which are free and uncached at
+        start-up (nothing reads them before a request owns and overwrites them)."""
+        bs, num_blocks = self.block_size, self.kv_caches[0].shape[1]
+        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=0)
+        for n in prefill_lens:  # one sequence of n tokens from position 0
+            nb = -(-n // bs)
+            if nb > num_blocks:
+                continue
+            meta = self.attn_backend.build([n], [n], [list(range(nb))])
+            hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device),
+                                torch.arange(n, device=self.device), self.kv_caches, meta)
+            fast_argmax(self.model.compute_logits(hidden[-1:]))
+        for b in decode_batch_sizes:  # b sequences of one new token after one in the cache
+            if b > num_blocks:
+                continue
+            meta = self.attn_backend.build([1] * b, [2] * b, [[i] for i in range(b)])
+            hidden = self.model(torch.zeros(b, dtype=torch.long, device=self.device),
+                                torch.ones(b, dtype=torch.long, device=self.device), self.kv_caches, meta)
+            logits = self.model.compute_logits(hidden)
+            fast_argmax(logits)
+            st = SamplingTensors.from_params([params] * b, self.arch.vocab_size, self.device)
+            self.sampler.sample(logits, st, [None] * b)
+
     # -- the step ------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -103,6 +103,9 @@ def _worker_main(config: EngineConfig, rank: int, size: int, port: int, conn: Co
                 conn.send(("ok", out.sampled_token_ids))
             elif kind == "free":
                 worker.free(payload)
+            elif kind == "warm_up":
+                worker.warm_up(*payload)
+                conn.send(("ok", {}))
         except BaseException as e:  # the group is unusable now: report and exit
             conn.send(("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
             os._exit(1)  # closes this rank's sockets, so rank 0's pending collective fails fast
@@ -191,6 +194,23 @@ class TensorParallelExecutor:
                 self._fail(f"tensor-parallel rank {rank} sampled {msg}, rank 0 {out.sampled_token_ids}: "
                            "the ranks diverged")
         return out
+
+    def warm_up(self, decode_batch_sizes: list[int], prefill_lens: list[int]) -> None:
+        """Every rank runs the same warm-up forwards (they meet in the same collectives)."""
+        self.check_health()
+        for rank, conn in enumerate(self._conns, start=1):
+            try:
+                conn.send(("warm_up", (decode_batch_sizes, prefill_lens)))
+            except OSError:
+                self._fail(f"tensor-parallel rank {rank} is gone ({self._exit_note(rank)})")
+        try:
+            self.local.warm_up(decode_batch_sizes, prefill_lens)
+        except Exception as e:
+            self._fail(self._first_failure() or f"tensor-parallel rank 0 failed: {type(e).__name__}: {e}", e)
+        for rank, conn in enumerate(self._conns, start=1):
+            kind, msg = self._recv(rank, conn, START_TIMEOUT_S)
+            if kind == "error":
+                self._fail(str(msg))
 
     def free(self, request_ids: list[str]) -> None:
         self.check_health()

@@ -55,6 +55,8 @@ def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000, htt
         check_bindable(host, http2_port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.info("dtype %s (%s)", str(engine.dtype).removeprefix("torch."), engine.dtype_reason)
+    if engine.warmup_s is not None:
+        log.info("warm-up: %.2f s (one forward per decode batch size and prefill length bucket)", engine.warmup_s)
     a = engine.allocator_settings
     log.info("CUDA caching allocator: %s (%s)%s", a.text or "PyTorch defaults", a.source,
              f", memory fraction {a.memory_fraction}" if a.memory_fraction is not None else "")
