@@ -37,6 +37,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "before CUDA initialises)")
     g.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="fraction of the GPU's memory this process may use (per-process memory fraction)")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="attention kernels: the PyTorch reference (auto, torch) or the paged Triton kernel "
+                        "(needs pip install triton; tested in Triton's interpreter, not yet on a GPU)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks to split the target model over, one process each (gloo on the CPU, NCCL on CUDA)")
     g.add_argument("--no-cpu-onednn", dest="cpu_onednn", action="store_false",
@@ -69,6 +72,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
         seed=args.seed, cpu_onednn=args.cpu_onednn, tensor_parallel_size=args.tensor_parallel_size,
+        attention_backend=args.attention_backend,
         cuda_alloc_conf=args.cuda_alloc_conf, gpu_memory_utilization=args.gpu_memory_utilization,
         speculative_model=args.speculative_model, speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens, speculative_max_tokens=args.speculative_max_tokens,

@@ -65,6 +65,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
     seed: int = 0
+    # Attention kernels: "auto" (the PyTorch reference for now), "torch", or "triton" (the
+    # paged Triton kernel, attention/triton_paged.py; needs pip install triton).
+    attention_backend: str = "auto"
     # Reorder projection weights for oneDNN on the CPU (much faster GEMV; see model/linear.py).
     cpu_onednn: bool = True
     # Record request timelines, step figures and Prometheus metrics.
@@ -129,6 +132,8 @@ class EngineConfig:
                               f"got {self.device!r}")
         if self.record_memory_history and not self.device.startswith("cuda"):
             raise ConfigError("record_memory_history records the CUDA caching allocator: it needs device cuda")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ConfigError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         if self.gateway_metrics and not self.enable_metrics:
             raise ConfigError("gateway_metrics needs metrics (drop --disable-metrics)")
         if isinstance(self.block_size, bool) or self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

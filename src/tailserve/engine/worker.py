@@ -123,7 +123,10 @@ class Worker:
         self.num_blocks = self.determine_num_blocks()
         self.kv_caches = allocate_kv_caches(self.arch, self.num_blocks, config.block_size, self.dtype, self.device,
                                             tp)
-        backend_cls = get_attention_backend("auto")
+        try:
+            backend_cls = get_attention_backend(config.attention_backend)
+        except ValueError as e:
+            raise ConfigError(f"attention_backend: {e}") from None
         self.attn_backend = backend_cls(config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
                                         max_len, self.arch.sliding_window, self.device)
         self.runner = ModelRunner(self.model, self.arch, self.kv_caches, config.block_size, self.device, config.seed,
