@@ -51,8 +51,8 @@ GATEWAY_GAUGES = {
 
 
 class _GatewayCollector:
-    """Mirrors tailserve's load gauges under the vLLM names at every scrape (so the two can
-    never disagree), plus ``vllm:cache_config_info`` whose labels give the block size and the
+    """Mirrors tailserve's load gauges under the vLLM names, read from them at every scrape
+    (no second copy to keep in step), plus ``vllm:cache_config_info`` whose labels give the block size and the
     number of blocks (the prefix-aware scorer's optional inputs). No LoRA info gauge: tailserve
     serves no LoRA adapters, and the pickers treat its absence as no adapters."""
 
