@@ -18,7 +18,6 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,14 +26,9 @@ import time
 import httpx
 
 from tailserve.assets import DEFAULT_TARGET_DIR
+from tailserve.bench.local_server import free_port
 
 KV = ["--kv-cache-memory", "256MiB"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(args: list[str], port: int) -> subprocess.Popen:

@@ -6,7 +6,11 @@ Each checkpoint is created with transformers (a test-only dependency) and saved 
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
+import threading
+import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -151,3 +155,29 @@ def headless_chromium(tmp_path):
         yield driver
     finally:
         driver.quit()
+
+
+@contextlib.contextmanager
+def serve_in_thread(server) -> Iterator[str]:
+    """A real HTTP server on 127.0.0.1 for an in-process ``Server`` (so a test can reach into
+    its engine: a stand-in, an injected fault); yields its URL, stops it and its engine after."""
+    import uvicorn
+
+    from tailserve.bench.local_server import free_port
+    from tailserve.server.app import build_app
+
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not srv.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError("the in-process server did not start")
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+        server.async_engine.shutdown()

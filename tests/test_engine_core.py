@@ -4,9 +4,6 @@ state left behind, and a property test of the whole engine against a plain refer
 
 from __future__ import annotations
 
-import threading
-import time
-
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -223,30 +220,14 @@ def test_a_failing_step_fails_only_its_requests_and_the_engine_keeps_serving(lla
 
 
 def test_server_answers_500_naming_the_request_and_keeps_serving(llama_checkpoint):
-    import socket
-
-    import uvicorn
-
-    from tailserve.server.app import Server, build_app
+    from conftest import serve_in_thread
+    from tailserve.server.app import Server
 
     path, _ = llama_checkpoint
     llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=KV)
     server = Server(llm.engine, start_engine_thread=True)
     llm.engine.runner.execute = _FailOnToken(llm.engine.runner, 333)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    try:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(100):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+    with serve_in_thread(server) as url:
         bad = httpx.post(url + "/v1/completions", json={"prompt": [333, 4, 5], "max_tokens": 4},
                          headers={"X-Request-Id": "bad-1"}, timeout=30)
         assert bad.status_code == 500
@@ -254,10 +235,6 @@ def test_server_answers_500_naming_the_request_and_keeps_serving(llama_checkpoin
         good = httpx.post(url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0},
                           timeout=30)
         assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 4
-    finally:
-        uv.should_exit = True
-        thread.join(timeout=10)
-        server.async_engine.shutdown()
 
 
 # -- the property test ------------------------------------------------------------------------

@@ -3,7 +3,6 @@ openai client: both replicas serve, and requests that share a prompt prefix land
 
 from __future__ import annotations
 
-import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -34,9 +33,9 @@ def test_routing_text_and_prefix_hashes():
 
 @pytest.fixture(scope="module")
 def endpoint():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from tailserve.bench.local_server import free_port
+
+    port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 << 20, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

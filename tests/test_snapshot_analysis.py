@@ -6,6 +6,7 @@ import json
 import pickle
 import zlib
 
+from conftest import serve_in_thread
 from tailserve.cli import main
 from tailserve.memory.allocator.analyze import analyze_snapshot, segment_map_png
 
@@ -92,28 +93,6 @@ def test_html_page_of_an_analysis_in_headless_chromium(tmp_path, headless_chromi
 
 
 # -- taking snapshots from a running server ------------------------------------------------------
-def _serve_in_thread(server):
-    """A real HTTP server on 127.0.0.1 for an in-process app (so its engine can be given the
-    stand-in snapshot source: a CPU has no CUDA allocator to snapshot)."""
-    import socket
-    import threading
-    import time
-
-    import uvicorn
-
-    from tailserve.server.app import build_app
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=port, log_level="warning"))
-    t = threading.Thread(target=srv.run, daemon=True)
-    t.start()
-    while not srv.started:
-        time.sleep(0.05)
-    return srv, t, f"http://127.0.0.1:{port}"
-
-
 def test_memory_snapshot_from_a_running_server(llama_checkpoint, tmp_path, capsys):
     import httpx
     import pytest
@@ -129,8 +108,7 @@ def test_memory_snapshot_from_a_running_server(llama_checkpoint, tmp_path, capsy
     with pytest.raises(ConfigError, match="CUDA caching allocator"):  # on a CPU: nothing to snapshot
         engine.memory_snapshot()
     server = Server(engine, api_key="secret", start_engine_thread=True)
-    srv, thread, url = _serve_in_thread(server)
-    try:
+    with serve_in_thread(server) as url:
         r = httpx.post(url + "/debug/memory/snapshot")
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         r = httpx.post(url + "/debug/memory/snapshot", headers={"Authorization": "Bearer secret"})
@@ -146,7 +124,3 @@ def test_memory_snapshot_from_a_running_server(llama_checkpoint, tmp_path, capsy
         # The server keeps serving.
         assert httpx.post(url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2},
                           headers={"Authorization": "Bearer secret"}).status_code == 200
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=10)
-        server.async_engine.shutdown()

@@ -17,6 +17,7 @@ import pytest
 
 from conftest import build_hf_model, save_checkpoint
 from tailserve import LLM, SamplingParams
+from tailserve.bench.local_server import free_port
 from tailserve.errors import ConfigError, EngineDeadError
 
 PROMPTS = [[5, 17, 33, 2, 90, 41], [7, 7, 8, 100, 3], list(range(20, 60))]
@@ -137,11 +138,7 @@ def _children(pid: int) -> list[int]:
 
 
 def _serve_two_ranks(path) -> tuple[subprocess.Popen, str]:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tailserve", "serve", "--model", str(path), "--dtype", "float32",
                              "--port", str(port), "--http2-port", "0", "--tensor-parallel-size", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
