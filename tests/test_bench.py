@@ -169,22 +169,25 @@ def test_multi_turn_history_grows_and_each_turn_follows_the_last(tok):
 
 
 def test_slo_search_finds_the_highest_rate_meeting_the_bounds(tmp_path, capsys):
-    # Capacity 2 x 8 tokens x 10 ms: about 20 req/s at most; beyond that requests queue.
+    # Capacity 2 x 8 tokens x 10 ms: about 25 req/s at most; beyond that requests queue. At full
+    # load the last of the 30 waits ~14 x 80 ms for a slot. The bound is far from both ends: a
+    # Poisson burst of three requests within 80 ms queues one of them by up to 80 ms at any rate,
+    # so a bound near 60 ms was met or missed by scheduling noise (seen in CI at 3.19 req/s).
     with FakeServer("--itl-ms", "10", "--capacity", "2") as srv:
         rc = main(["bench", "--url", srv.url, "--dataset-name", "random", "--tokenizer", str(DEFAULT_TARGET_DIR),
                    "--random-input-len", "8", "--random-output-len", "8", "--num-prompts", "30",
-                   "--slo", "p99_ttft_ms<=60", "--slo-iterations", "3", "--disable-tqdm", "--save-result",
+                   "--slo", "p99_ttft_ms<=300", "--slo-iterations", "3", "--disable-tqdm", "--save-result",
                    "--result-dir", str(tmp_path), "--result-filename", "slo.json"])
     out = capsys.readouterr().out
     assert rc == 0
-    assert "highest rate meeting p99_ttft_ms<=60" in out, out
+    assert "highest rate meeting p99_ttft_ms<=300" in out, out
     runs = [json.loads(f.read_text()) for f in tmp_path.glob("slo-*.json")]
     assert len(runs) == 4  # full load, then three bisection steps
     best = runs[0]["slo_search"]["best_rate"]
     full = next(r for r in runs if r["request_rate"] == "inf")
-    assert full["p99_ttft_ms"] > 60  # at full load the bound is missed ...
+    assert full["p99_ttft_ms"] > 300  # at full load the bound is missed ...
     assert isinstance(best, float) and 0 < best < full["request_throughput"]
-    met = [r for r in runs if r["p99_ttft_ms"] <= 60]
+    met = [r for r in runs if r["p99_ttft_ms"] <= 300]
     assert any(float(r["request_rate"]) == pytest.approx(best) for r in met)  # ... at the best rate it holds
     assert all(float(r["request_rate"]) <= best + 1e-9 for r in met)
 
