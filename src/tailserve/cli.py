@@ -24,8 +24,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    g.add_argument("--kv-cache-memory", default=str(DEFAULT_KV_CACHE_MEMORY_BYTES),
-                   help="KV-cache size in bytes; units allowed (e.g. 512MiB, 2GiB)")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="KV-cache size in bytes; units allowed (e.g. 512MiB, 2GiB). Default: "
+                        f"{DEFAULT_KV_CACHE_MEMORY_BYTES >> 20} MiB on the CPU; on CUDA what --gpu-memory-utilization "
+                        "leaves after a profiling pass")
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int, default=None)
@@ -36,12 +38,21 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="PYTORCH_CUDA_ALLOC_CONF for this process, e.g. max_split_size_mb:128 (validated; applied "
                         "before CUDA initialises)")
     g.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="fraction of the GPU's memory this process may use (per-process memory fraction)")
+                   help="fraction of the GPU's memory this process may use (per-process memory fraction); "
+                        "without --kv-cache-memory the KV cache takes what it leaves after profiling (default 0.9)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="attention kernels: the PyTorch reference (auto, torch) or the paged Triton kernel "
                         "(needs pip install triton; tested in Triton's interpreter, not yet on a GPU)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks to split the target model over, one process each (gloo on the CPU, NCCL on CUDA)")
+    g.add_argument("--quantization", "-q", default=None, choices=["int8"],
+                   help="int8: weight-only int8 for the target's projections and LM head (per-row scales; "
+                        "activations stay in --dtype)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run decodes eagerly instead of replaying CUDA graphs captured at start-up")
+    g.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
+                   help="use PyTorch's kernels only, not tailserve's compiled CPU kernels (compact bf16/fp16/int8 "
+                        "weights with float32 arithmetic)")
     g.add_argument("--no-cpu-onednn", dest="cpu_onednn", action="store_false",
                    help="use PyTorch's plain linear kernels on the CPU instead of oneDNN-packed weights")
     s = p.add_argument_group("speculative decoding")
@@ -68,11 +79,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
     return dict(
         dtype=args.dtype, device=args.device, block_size=args.block_size,
-        kv_cache_memory_bytes=parse_bytes(args.kv_cache_memory), max_num_seqs=args.max_num_seqs,
+        kv_cache_memory_bytes=None if args.kv_cache_memory is None else parse_bytes(args.kv_cache_memory),
+        max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
-        seed=args.seed, cpu_onednn=args.cpu_onednn, tensor_parallel_size=args.tensor_parallel_size,
-        attention_backend=args.attention_backend,
+        seed=args.seed, cpu_onednn=args.cpu_onednn, cpu_kernels=args.cpu_kernels,
+        tensor_parallel_size=args.tensor_parallel_size,
+        attention_backend=args.attention_backend, quantization=args.quantization,
+        enforce_eager=args.enforce_eager,
         cuda_alloc_conf=args.cuda_alloc_conf, gpu_memory_utilization=args.gpu_memory_utilization,
         speculative_model=args.speculative_model, speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens, speculative_max_tokens=args.speculative_max_tokens,

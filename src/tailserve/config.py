@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from tailserve.errors import ConfigError
 
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # 1 GiB on the CPU
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # CUDA without kv_cache_memory_bytes: as vLLM
 _SIZE_SUFFIXES = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
                   "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
 
@@ -52,13 +53,25 @@ class SchedulerConfig:
 DEFAULT_DRAFT_STOP_MARGIN = 0.02
 
 
+def decode_graph_batch_sizes(max_num_seqs: int, largest: int = 256) -> list[int]:
+    """The batch sizes decodes are captured at (vLLM's buckets: 1, 2, 4, then every 8), up to
+    max_num_seqs; a step of B decodes replays the smallest bucket >= B, padded."""
+    cap = min(max_num_seqs, largest)
+    sizes = [b for b in (1, 2, 4) if b <= cap] + list(range(8, cap + 1, 8))
+    if cap not in sizes:
+        sizes.append(cap)
+    return sizes
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
     dtype: str = "auto"
     device: str = "cpu"
     block_size: int = 16
-    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES
+    # KV-cache bytes (per rank). None: DEFAULT_KV_CACHE_MEMORY_BYTES on the CPU; on CUDA what
+    # gpu_memory_utilization leaves after a profiling pass (memory/kv_sizing.py).
+    kv_cache_memory_bytes: int | str | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
@@ -68,6 +81,13 @@ class EngineConfig:
     # Attention kernels: "auto" (the PyTorch reference for now), "torch", or "triton" (the
     # paged Triton kernel, attention/triton_paged.py; needs pip install triton).
     attention_backend: str = "auto"
+    # Weight-only quantisation of the target's projections and LM head: None or "int8"
+    # (model/linear.py Int8WeightOnlyLinearMethod). The draft model keeps its own precision.
+    quantization: str | None = None
+    # Compiled CPU kernels (model/cpu_kernels: compact-weight products for decode, built with
+    # the system C compiler on first use): for int8 weights with float32 activations, and for
+    # a bf16/fp16 checkpoint that --dtype auto computes in float32. False: PyTorch's kernels.
+    cpu_kernels: bool = True
     # Reorder projection weights for oneDNN on the CPU (much faster GEMV; see model/linear.py).
     cpu_onednn: bool = True
     # Record request timelines, step figures and Prometheus metrics.
@@ -101,7 +121,9 @@ class EngineConfig:
     ngram_max: int = 4
     # PYTORCH_CUDA_ALLOC_CONF for this process (validated, applied before CUDA initialises;
     # see memory/allocator/control.py), and the fraction of the GPU's memory the process may
-    # use (torch.cuda.set_per_process_memory_fraction; needed for garbage collection).
+    # use (torch.cuda.set_per_process_memory_fraction; needed for garbage collection). Without
+    # kv_cache_memory_bytes, the KV cache takes what that fraction (default 0.9) leaves after
+    # a profiling pass of the largest step.
     cuda_alloc_conf: str | None = None
     gpu_memory_utilization: float | None = None
     # At start-up, run the forward once per decode batch size (1..WARMUP_MAX_BATCH, at most
@@ -109,6 +131,10 @@ class EngineConfig:
     # max_num_batched_tokens), so the kernels' one-time costs per shape are not paid by the
     # first requests. tailserve serve turns it on (--no-warmup turns it off).
     warmup: bool = False
+    # CUDA: decodes run as CUDA graphs captured at start-up per batch-size bucket
+    # (decode_graph_batch_sizes; padded to the bucket). True: always eager. CPU and tensor
+    # parallelism are always eager.
+    enforce_eager: bool = False
     # Record the CUDA caching allocator's history from start-up, for memory snapshots with
     # allocation sites and device_traces (memory/allocator/snapshot.py). CUDA only.
     record_memory_history: bool = False
@@ -134,13 +160,16 @@ class EngineConfig:
             raise ConfigError("record_memory_history records the CUDA caching allocator: it needs device cuda")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ConfigError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.quantization not in (None, "int8"):
+            raise ConfigError(f"quantization must be int8 or unset, got {self.quantization!r}")
         if self.gateway_metrics and not self.enable_metrics:
             raise ConfigError("gateway_metrics needs metrics (drop --disable-metrics)")
         if isinstance(self.block_size, bool) or self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ConfigError(f"block_size must be a power of two from 1 to 128, got {self.block_size!r}")
-        object.__setattr__(self, "kv_cache_memory_bytes", parse_bytes(self.kv_cache_memory_bytes))
-        if self.kv_cache_memory_bytes <= 0:
-            raise ConfigError("kv_cache_memory_bytes must be positive")
+        if self.kv_cache_memory_bytes is not None:
+            object.__setattr__(self, "kv_cache_memory_bytes", parse_bytes(self.kv_cache_memory_bytes))
+            if self.kv_cache_memory_bytes <= 0:
+                raise ConfigError("kv_cache_memory_bytes must be positive")
         if self.max_model_len is not None and (isinstance(self.max_model_len, bool)
                                                or not isinstance(self.max_model_len, int)
                                                or self.max_model_len < 2):

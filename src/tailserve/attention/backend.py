@@ -149,6 +149,14 @@ class StaticDecodeBuffers:
         self.block_tables = torch.zeros((batch_size, max_blocks_per_seq), dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(batch_size, dtype=torch.int32, device=device)
         self.slot_mapping = torch.full((batch_size,), scratch_slot, dtype=torch.long, device=device)
+        # One query per row: constant, for kernels that take query offsets (PagedBatch form).
+        self.query_start_loc = torch.arange(batch_size + 1, dtype=torch.int32, device=device)
+
+    def paged(self, max_seq_len: int) -> PagedBatch:
+        """These buffers in the form paged kernels take (fixed shapes: every row, every block)."""
+        b = self.batch_size
+        return PagedBatch(b, b, self.block_tables, self.seq_lens, self.query_start_loc, self.slot_mapping, 1,
+                          max_seq_len)
 
     def load(self, token_ids: list[int], context_lens: list[int], block_tables: list[list[int]]) -> int:
         """Copy a real decode batch in (in place: a captured graph reads these addresses)."""
@@ -227,8 +235,10 @@ class DecodeGraph:
     returns the final hidden states of its rows."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], backend: AttentionBackend,
-                 batch_size: int, scratch_slot: int) -> None:
+                 batch_size: int, scratch_slot: int, pool: tuple[int, int] | None = None) -> None:
         self.model, self.kv_caches, self.backend = model, kv_caches, backend
+        self.batch_size = batch_size
+        self.pool = pool  # a CUDA graph memory pool shared by every bucket's capture
         self.buffers = StaticDecodeBuffers(batch_size, backend.max_blocks_per_seq, backend.block_size,
                                            scratch_slot, backend.device)
         self.meta = backend.static_decode_metadata(self.buffers)
@@ -249,7 +259,7 @@ class DecodeGraph:
                 self._forward()  # warm-up: allocator and kernel selection outside the capture
             torch.cuda.current_stream().wait_stream(stream)
             self._graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self._graph):
+            with torch.cuda.graph(self._graph, pool=self.pool):
                 self._out = self._forward()
 
     @torch.inference_mode()

@@ -28,7 +28,6 @@ import triton
 import triton.language as tl
 
 from tailserve.attention.backend import AttentionBackend, PagedBatch, StaticDecodeBuffers
-from tailserve.attention.reference import TorchReferenceBackend
 
 
 @triton.jit
@@ -130,21 +129,37 @@ class TritonAttentionMetadata:
         return triton_paged_attention(q, k, v, kv_cache, self.batch, scale, self.sliding_window)
 
 
+@dataclass
+class StaticTritonDecodeMetadata:
+    """A captured decode through the same kernel: it reads the static buffers' block tables
+    and sequence lengths from device memory and loops over each sequence's own blocks, so one
+    capture serves every context length (no gather of max_model_len slots per sequence)."""
+
+    buffers: StaticDecodeBuffers
+    sliding_window: int | None
+    max_seq_len: int
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self.buffers.slot_mapping
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        return triton_paged_attention(q, k, v, kv_cache, self.buffers.paged(self.max_seq_len), scale,
+                                      self.sliding_window)
+
+
 class TritonPagedBackend(AttentionBackend):
-    """Paged attention in one Triton kernel for every kind of step (module docstring).
-    Graph-captured decode reads the reference backend's static metadata for now."""
+    """Paged attention in one Triton kernel for every kind of step (module docstring),
+    captured decodes included."""
 
     name = "triton-paged"
     supports_graph_capture = True
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self._reference = TorchReferenceBackend(*args, **kwargs)  # type: ignore[arg-type]
 
     def build(self, query_lens: list[int], context_lens: list[int],
               block_tables: list[list[int]]) -> TritonAttentionMetadata:
         batch = self.buffers.fill(query_lens, context_lens, block_tables, self.block_size)
         return TritonAttentionMetadata(batch.slot_mapping, batch, self.sliding_window)
 
-    def static_decode_metadata(self, buffers: StaticDecodeBuffers):
-        return self._reference.static_decode_metadata(buffers)
+    def static_decode_metadata(self, buffers: StaticDecodeBuffers) -> StaticTritonDecodeMetadata:
+        return StaticTritonDecodeMetadata(buffers, self.sliding_window, self.max_blocks_per_seq * self.block_size)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tailserve.attention.backend import AttentionBackend
+from tailserve.attention.backend import AttentionBackend, DecodeGraph
 from tailserve.attention.reference import TorchReferenceBackend
 from tailserve.engine.logits_processors import apply_logits_processors
 from tailserve.engine.sampler import Sampler, SamplingTensors, fast_argmax
@@ -73,6 +73,9 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.last_propose_s = 0.0  # the last step's proposal, for the controller's step costs
         self._generators: dict[str, torch.Generator] = {}
+        # Captured decodes by batch-size bucket (capture_decode_graphs); empty = always eager.
+        self.decode_graphs: dict[int, DecodeGraph] = {}
+        self.graph_replays = 0  # steps served by a replay (tests and the start-up log read it)
 
     def generator_for(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
         """A seeded request's own generator (kept across preemptions, dropped when it finishes)."""
@@ -150,6 +153,29 @@ class ModelRunner:
             st = SamplingTensors.from_params([params] * b, self.arch.vocab_size, self.device)
             self.sampler.sample(logits, st, [None] * b)
 
+    # -- captured decodes ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture_decode_graphs(self, batch_sizes: list[int], scratch_slot: int) -> float:
+        """Capture a decode per batch-size bucket (largest first, all in one memory pool, as
+        the captures never run at once); returns the seconds it took. ``scratch_slot`` is a
+        cache slot no request owns (the padding rows write there). On CUDA each is a CUDA
+        graph; elsewhere a replay runs the same forward over the same static buffers (how the
+        CPU tests check the padding and the buffer copies)."""
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        for b in sorted(set(batch_sizes), reverse=True):
+            graph = DecodeGraph(self.model, self.kv_caches, self.attn_backend, b, scratch_slot, pool=pool)
+            graph.capture()
+            self.decode_graphs[b] = graph
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+    def _graph_for(self, num_seqs: int) -> DecodeGraph | None:
+        """The smallest captured bucket that holds ``num_seqs`` decodes (None: run eagerly)."""
+        fits = [b for b in self.decode_graphs if b >= num_seqs]
+        return self.decode_graphs[min(fits)] if fits else None
+
     # -- the step ------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -172,6 +198,9 @@ class ModelRunner:
         num_drafts: list[int] = []
         drafts: list[list[int]] = []
         spec = False
+        # A step of plain decodes only (one token each, no drafts to verify, no prompt rows)
+        # can replay a captured graph.
+        all_decode = bool(self.decode_graphs)
         for s in sched.scheduled:
             st = self.requests[s.request_id]
             d = list(s.draft_token_ids)
@@ -187,6 +216,7 @@ class ModelRunner:
                 n_rows = min(s.start_pos + n_real, st.num_prompt_tokens - 1) - s.start_pos
                 done = s.start_pos + n_real >= st.num_prompt_tokens
                 prompt_rows.append((st, len(input_ids) - len(d) - n_real, s.start_pos, max(n_rows, 0), done))
+            all_decode = all_decode and s.num_tokens == 1 and s.sample and not d and not prompt_rows
             if s.sample:
                 k = len(d)
                 spec |= k > 0
@@ -194,10 +224,15 @@ class ModelRunner:
                 sampled.append(st)
                 num_drafts.append(k)
                 drafts.append(d)
-        meta = self.attn_backend.build(query_lens, context_lens, tables)
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
+        graph = self._graph_for(len(query_lens)) if all_decode else None
+        if graph is not None:
+            hidden = graph.replay(input_ids, context_lens, tables)  # (B, hidden): the real rows
+            self.graph_replays += 1
+        else:
+            meta = self.attn_backend.build(query_lens, context_lens, tables)
+            ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+            pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+            hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
         if prompt_rows:
             self._prompt_logprobs(out, hidden, prompt_rows)
         if sampled:

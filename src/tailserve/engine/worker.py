@@ -15,16 +15,24 @@ import torch
 
 from tailserve.assets import resolve_model_path
 from tailserve.attention import get_attention_backend
-from tailserve.config import EngineConfig
+from tailserve.attention.cpu_decode import CpuDecodeBackend
+from tailserve.config import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_KV_CACHE_MEMORY_BYTES,
+    EngineConfig,
+    decode_graph_batch_sizes,
+)
 from tailserve.engine.model_runner import ModelRunner, Proposer
 from tailserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tailserve.errors import ConfigError, TailserveError
 from tailserve.memory.allocator.control import apply_alloc_conf
 from tailserve.memory.allocator.snapshot import start_recording
 from tailserve.memory.kv_cache import allocate_kv_caches, kv_bytes_per_block
+from tailserve.memory.kv_sizing import CudaMemory, DeviceMemory, MemoryProfile, num_blocks_from_profile, profile_memory
+from tailserve.model import cpu_kernels
 from tailserve.model.config import ModelArchConfig, load_arch_config, parse_dtype
 from tailserve.model.linear import SINGLE, TensorParallel, select_linear_method
-from tailserve.model.llama import LlamaFamilyModel
+from tailserve.model.llama import TORCH_OPS, KernelLayerOps, LayerOps, LlamaFamilyModel
 from tailserve.model.loader import load_model
 from tailserve.platform_info import resolve_auto_dtype
 from tailserve.speculative.draft_step import make_draft_step
@@ -97,7 +105,17 @@ class Worker:
         else:
             dtype, self.dtype_reason = parse_dtype(config.dtype), "--dtype"
         # Platform choices, made once: how linear layers multiply, which attention backend.
-        self.linear_method = select_linear_method(self.device, config.cpu_onednn)
+        # A float32 model on a CPU without native bf16/fp16 keeps a bf16/fp16 checkpoint's
+        # weights in that dtype (exact; half the bytes) when the compiled kernels run here.
+        compact = arch.dtype if (config.dtype == "auto" and self.device.type == "cpu" and dtype == torch.float32
+                                 and arch.dtype in (torch.bfloat16, torch.float16)) else None
+        self.linear_method = select_linear_method(self.device, config.cpu_onednn, config.quantization,
+                                                  compact_weights=compact, cpu_kernels=config.cpu_kernels)
+        if self.linear_method.name == "cpu-compact-weights":
+            self.dtype_reason += f"; weights kept in {str(arch.dtype).removeprefix('torch.')} as stored " \
+                                 "(float32 arithmetic, compiled AVX2 kernels)"
+        # The draft model keeps its own precision and PyTorch's kernels.
+        self.draft_linear_method = select_linear_method(self.device, config.cpu_onednn)
         try:
             self.model, self.arch = load_model(self.model_dir, dtype, self.device, max_positions=max_len,
                                                linear_method=self.linear_method, tp=tp)
@@ -106,6 +124,8 @@ class Worker:
                 raise
             raise ConfigError(f"tensor_parallel_size {tp.size} does not fit this model: {e}") from None
         self.dtype = self.model.embed_tokens.dtype
+        self.layer_ops = self._select_layer_ops(self.dtype)
+        self.model.set_layer_ops(self.layer_ops)
 
         self.draft_plan = plan_draft(config, self.device, self.dtype)
         draft_model: LlamaFamilyModel | None = None
@@ -113,6 +133,7 @@ class Worker:
             plan = self.draft_plan
             # Its linear method is applied once the NumPy step (if any) has copied the plain weights.
             draft_model, _ = load_model(plan.model_dir, plan.dtype, self.device, max_positions=max_len)
+            draft_model.set_layer_ops(self._select_layer_ops(plan.dtype))
             if plan.arch.vocab_size != self.arch.vocab_size:
                 raise ConfigError(f"draft model vocabulary ({plan.arch.vocab_size}) differs from the target's "
                                   f"({self.arch.vocab_size}); speculative decoding needs the same tokenizer")
@@ -120,18 +141,46 @@ class Worker:
                 raise ConfigError(f"draft model context ({plan.arch.max_position_embeddings}) is shorter than "
                                   f"max_model_len {max_len}")
 
-        self.num_blocks = self.determine_num_blocks()
-        self.kv_caches = allocate_kv_caches(self.arch, self.num_blocks, config.block_size, self.dtype, self.device,
-                                            tp)
         try:
             backend_cls = get_attention_backend(config.attention_backend)
         except ValueError as e:
             raise ConfigError(f"attention_backend: {e}") from None
-        self.attn_backend = backend_cls(config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
-                                        max_len, self.arch.sliding_window, self.device)
+        backend_args = (config.block_size, config.max_num_seqs, config.max_num_batched_tokens, max_len,
+                        self.arch.sliding_window, self.device)
+        if config.attention_backend == "auto" and isinstance(self.layer_ops, KernelLayerOps) \
+                and CpuDecodeBackend.handles(self.arch.head_dim, self.dtype):
+            # float32 on the CPU with the compiled kernels: decodes through the paged decode kernel.
+            self.attn_backend = CpuDecodeBackend(*backend_args, kernels=self.layer_ops.kernels)
+        else:
+            self.attn_backend = backend_cls(*backend_args)
+        # CUDA graphs for decode: one process, CUDA, and a backend with capture hooks.
+        self.use_decode_graphs = (self.device.type == "cuda" and not config.enforce_eager and tp.size == 1
+                                  and self.attn_backend.supports_graph_capture)
+        self.num_blocks = self.determine_num_blocks()
+        # One block past the ones the scheduler hands out, that no request ever owns: a
+        # captured decode pads its batch with rows that write their K/V there.
+        self.kv_caches = allocate_kv_caches(self.arch, self.num_blocks + 1, config.block_size, self.dtype,
+                                            self.device, tp)
         self.runner = ModelRunner(self.model, self.arch, self.kv_caches, config.block_size, self.device, config.seed,
                                   max_model_len=max_len, attn_backend=self.attn_backend)
         self.runner.proposer = self._build_proposer(draft_model)
+        self.graph_capture_s: float | None = None
+        if self.use_decode_graphs:
+            self.graph_capture_s = self.capture_decode_graphs(decode_graph_batch_sizes(config.max_num_seqs))
+
+    def _select_layer_ops(self, dtype: torch.dtype) -> LayerOps:
+        """The compiled CPU kernels' norms and activations for a float32 model on the CPU
+        (same arithmetic, one pass each), else PyTorch's."""
+        if self.device.type == "cpu" and dtype == torch.float32 and self.config.cpu_kernels:
+            k = cpu_kernels.kernels()
+            if k is not None:
+                return KernelLayerOps(k)
+        return TORCH_OPS
+
+    def capture_decode_graphs(self, batch_sizes: list[int]) -> float:
+        """Capture decodes at these batch sizes (``ModelRunner.capture_decode_graphs``); the
+        padding rows write into the scratch block past ``num_blocks``."""
+        return self.runner.capture_decode_graphs(batch_sizes, self.num_blocks * self.config.block_size)
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -142,13 +191,53 @@ class Worker:
             per_block += kv_bytes_per_block(self.draft_plan.arch, self.config.block_size, self.draft_plan.dtype)
         return per_block
 
-    def determine_num_blocks(self) -> int:
+    def determine_num_blocks(self, memory: DeviceMemory | None = None) -> int:
+        """Blocks of the KV cache: from ``kv_cache_memory_bytes`` when it is given (default
+        DEFAULT_KV_CACHE_MEMORY_BYTES on the CPU); on CUDA without it, from
+        ``gpu_memory_utilization`` (default 0.9) after a profiling pass of the largest step
+        (memory/kv_sizing.py). Under tensor parallelism every rank takes the smallest count."""
         per_block = self.kv_bytes_per_block
-        num_blocks = self.config.kv_cache_memory_bytes // per_block
-        if num_blocks < 1:
-            raise ConfigError(f"kv_cache_memory_bytes {self.config.kv_cache_memory_bytes} holds no block "
-                              f"(one block of {self.config.block_size} tokens takes {per_block} bytes)")
+        self.memory_profile: MemoryProfile | None = None
+        budget = self.config.kv_cache_memory_bytes
+        if budget is None and (self.device.type == "cuda" or memory is not None):
+            utilization = self.config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+            self.memory_profile = profile_memory(memory or CudaMemory(self.device), self._run_largest_step,
+                                                 utilization)
+            num_blocks = num_blocks_from_profile(self.memory_profile, per_block)
+        else:
+            budget = DEFAULT_KV_CACHE_MEMORY_BYTES if budget is None else budget
+            num_blocks = budget // per_block
+            if num_blocks < 1:
+                raise ConfigError(f"kv_cache_memory_bytes {budget} holds no block "
+                                  f"(one block of {self.config.block_size} tokens takes {per_block} bytes)")
+        if self.tp.size > 1 and self.memory_profile is not None:
+            t = torch.tensor([num_blocks], device=self.device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+            num_blocks = int(t.item())
         return num_blocks
+
+    @torch.inference_mode()
+    def _run_largest_step(self) -> None:
+        """The largest step the scheduler can send: max_num_batched_tokens prompt tokens (in
+        sequences of at most max_model_len), then logits and probabilities for max_num_seqs
+        rows. Writes into a throw-away cache of just those blocks."""
+        cfg, bs = self.config, self.config.block_size
+        lens, left = [], cfg.max_num_batched_tokens
+        while left > 0:
+            lens.append(min(left, self.max_model_len))
+            left -= lens[-1]
+        tables, first = [], 0
+        for n in lens:
+            nb = -(-n // bs)
+            tables.append(list(range(first, first + nb)))
+            first += nb
+        caches = allocate_kv_caches(self.arch, first, bs, self.dtype, self.device, self.tp)
+        meta = self.attn_backend.build(lens, lens, tables)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        hidden = self.model(torch.zeros(len(positions), dtype=torch.long, device=self.device), positions, caches, meta)
+        rows = min(cfg.max_num_seqs, len(positions))
+        self.model.compute_logits(hidden[:rows]).softmax(dim=-1)
+        del caches, hidden
 
     def _build_proposer(self, draft_model: LlamaFamilyModel | None) -> Proposer | None:
         config = self.config
@@ -159,7 +248,7 @@ class Worker:
             # The NumPy step copies the plain weights, so it is built before the linear method
             # repacks them.
             single_step = make_draft_step(draft_model, plan.arch, draft_caches, self.device, plan.numpy_step)
-            draft_model.set_linear_method(self.linear_method)
+            draft_model.set_linear_method(self.draft_linear_method)
             proposer: Proposer = DraftModelProposer(draft_model, plan.arch, draft_caches, config.block_size,
                                                     self.device, self.runner.sampler.generator,
                                                     stop_margin=config.draft_stop_margin, single_step=single_step)

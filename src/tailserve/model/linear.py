@@ -12,7 +12,10 @@ load time.
   second copy is kept). Results are the same kernels' arithmetic in the same dtype; tests
   compare both methods against transformers.
 
-Quantised methods (int8, fp8) slot in here: a method owns the layer's weight format.
+- ``Int8WeightOnlyLinearMethod`` (``--quantization int8``): per-row int8 weights, the
+  activations in the model's dtype.
+
+A method owns the layer's weight format (fp8 would slot in the same way).
 
 **Parallel layouts** (nano-vllm's ``layers/linear.py`` shape). Every parameter carries a
 ``weight_loader(param, loaded, shard_id)``: the layer knows which slice of a checkpoint
@@ -134,8 +137,145 @@ class OneDNNPackedLinearMethod(LinearMethod):
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
 
 
-def select_linear_method(device: torch.device, cpu_onednn: bool) -> LinearMethod:
-    """The method for every linear layer of a model on ``device``."""
+def _int8pack_mm_runs(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether PyTorch's weight-only int8 kernel takes activations of ``dtype`` here."""
+    try:
+        x = torch.ones(1, 32, dtype=dtype, device=device)
+        w = torch.ones(8, 32, dtype=torch.int8, device=device)
+        torch.ops.aten._weight_int8pack_mm(x, w, torch.ones(8, dtype=dtype, device=device))
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+    return True
+
+
+class Int8WeightOnlyLinearMethod(LinearMethod):
+    """Weight-only int8: each output row is stored as int8 with one scale (symmetric,
+    ``scale = max|w_row| / 127``), a quarter of float32's bytes and half of bf16's. The
+    activations stay in the model's dtype; the product dequantises inside the kernel.
+
+    Batch-1 decode reads every weight once per token, so it is bound by weight bytes: this is
+    what ``--quantization int8`` buys. The kernel is PyTorch's ``_weight_int8pack_mm``
+    (vectorised for AVX2 and AVX-512 on the CPU; bf16/fp16 on CUDA); where it does not take
+    the activations' dtype, the weight is dequantised per call (correct, not faster). The
+    cost in accuracy is measured in docs/benchmarks.md (held-out cross-entropy)."""
+
+    name = "int8-weight-only"
+
+    SMALL_BATCH = 16  # rows up to which the compiled CPU kernel is used (float32 models)
+
+    def __init__(self, device: torch.device | None = None, cpu_kernels: bool = True) -> None:
+        self._kernel_ok: dict[tuple[torch.dtype, str], bool] = {}
+        self.cpu_kernels = None
+        if cpu_kernels and device is not None and device.type == "cpu":
+            from tailserve.model.cpu_kernels import kernels
+
+            self.cpu_kernels = kernels()
+
+    @staticmethod
+    def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(N, K) float -> int8 (N, K) and float32 scales (N,), round to nearest."""
+        w32 = w.float()
+        scales = w32.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        q = torch.round(w32 / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+        return q, scales
+
+    @staticmethod
+    def kernel_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+        """The activations' dtype inside the product. PyTorch's CPU kernel is vectorised for
+        bf16 and fp16 activations only (float32 ones take a scalar path ~10x slower, measured
+        here), so a float32 model multiplies in bf16 and reads the result back in float32."""
+        return torch.bfloat16 if device.type == "cpu" and dtype == torch.float32 else dtype
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        w = layer.weight
+        q, scales = self.quantize(w.detach())
+        kdtype = self.kernel_dtype(w.dtype, w.device)
+        key = (kdtype, w.device.type)
+        if key not in self._kernel_ok:
+            self._kernel_ok[key] = _int8pack_mm_runs(kdtype, w.device)
+        layer.qweight = q.contiguous()
+        layer.use_int8_kernel = self._kernel_ok[key]
+        layer.scales = scales.to(kdtype if layer.use_int8_kernel else w.dtype)
+        # float32 on the CPU: small batches through the compiled kernel, in float32 throughout.
+        layer.scales_f32 = scales if self.cpu_kernels is not None and w.dtype == torch.float32 \
+            and self.cpu_kernels.supports(layer.qweight) else None
+        # The full-precision weight goes (a tied LM head keeps the embedding, which is separate storage).
+        layer.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        q, scales = layer.qweight, layer.scales
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if layer.scales_f32 is not None and x2.shape[0] <= self.SMALL_BATCH:
+            y = self.cpu_kernels.gemm(x2, q, layer.scales_f32)
+        elif layer.use_int8_kernel:
+            y = torch.ops.aten._weight_int8pack_mm(x2.to(scales.dtype).contiguous(), q, scales).to(x.dtype)
+        else:
+            y = F.linear(x2, q.to(x.dtype)) * scales
+        if layer.bias is not None:
+            y = y + layer.bias
+        return y.view(*shape[:-1], y.shape[-1])
+
+
+class CpuCompactWeightsLinearMethod(LinearMethod):
+    """float32 arithmetic over weights kept in their compact checkpoint dtype (bf16 or fp16),
+    for CPUs without native bf16/fp16 arithmetic, where ``--dtype auto`` computes in float32.
+
+    Widening bf16 or fp16 to float32 is exact, so the products are those of the float32
+    model, in half its weight bytes: a decode step's time is its weight bytes over the memory
+    bandwidth. Batches of up to ``SMALL_BATCH`` rows go through the compiled kernel
+    (model/cpu_kernels); larger ones (prefill chunks, whose products are compute-bound) widen
+    the weight once per call and use PyTorch's float32 kernel."""
+
+    name = "cpu-compact-weights"
+    SMALL_BATCH = 16
+
+    def __init__(self, weight_dtype: torch.dtype) -> None:
+        from tailserve.model.cpu_kernels import kernels
+
+        self.weight_dtype = weight_dtype
+        self.kernels = kernels()
+        if self.kernels is None:
+            raise RuntimeError("the compiled CPU kernels are unavailable")
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        w = layer.weight.detach().to(self.weight_dtype).contiguous()
+        if not self.kernels.supports(w):
+            layer.method = OneDNNPackedLinearMethod() if onednn_available() else PLAIN
+            layer.method.process_weights_after_loading(layer)
+            return
+        layer.qweight = w
+        layer.weight = nn.Parameter(torch.empty(w.shape, dtype=torch.float32, device="meta"), requires_grad=False)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.shape[0] <= self.SMALL_BATCH:
+            y = self.kernels.gemm(x2, layer.qweight)
+            if layer.bias is not None:
+                y += layer.bias
+        else:
+            y = F.linear(x2, layer.qweight.float(), layer.bias)
+        return y.view(*shape[:-1], y.shape[-1])
+
+
+QUANTIZATIONS = ("int8",)
+
+
+def select_linear_method(device: torch.device, cpu_onednn: bool, quantization: str | None = None,
+                         compact_weights: torch.dtype | None = None, cpu_kernels: bool = True) -> LinearMethod:
+    """The method for every linear layer of a model on ``device``. ``compact_weights``: a
+    float32 model on the CPU whose checkpoint stores bf16/fp16 keeps its weights in that dtype
+    (CpuCompactWeightsLinearMethod) when the compiled kernels run here."""
+    if quantization == "int8":
+        return Int8WeightOnlyLinearMethod(device, cpu_kernels)
+    if quantization is not None:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {quantization!r}")
+    if compact_weights is not None and device.type == "cpu" and cpu_kernels:
+        from tailserve.model.cpu_kernels import kernels
+
+        if kernels() is not None:
+            return CpuCompactWeightsLinearMethod(compact_weights)
     if device.type == "cpu" and cpu_onednn and onednn_available():
         return OneDNNPackedLinearMethod()
     return PLAIN
@@ -154,7 +294,11 @@ class Linear(nn.Module):
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.method: LinearMethod = PLAIN
-        self.packed: torch.Tensor | None = None
+        self.packed: torch.Tensor | None = None  # the oneDNN method's reordered weight
+        self.qweight: torch.Tensor | None = None  # the int8 method's weight and per-row scales
+        self.scales: torch.Tensor | None = None
+        self.use_int8_kernel = False
+        self.scales_f32: torch.Tensor | None = None  # the int8 method's scales for the compiled CPU kernel
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: object = None, name: str = "") -> None:
         default_weight_loader(param, loaded, shard_id, name)

@@ -33,6 +33,55 @@ def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+class LayerOps:
+    """The small per-layer operations around the projections (norms with the residual add,
+    the gated activation), chosen once at load time: PyTorch's here, the compiled CPU kernels'
+    in ``KernelLayerOps``. The residual stream is passed separately (as vLLM does) so the add
+    and the next norm are one operation."""
+
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # One fused kernel. It accumulates in float32 like transformers' RMSNorm; in bf16/fp16
+        # it rounds once after the weight product where transformers rounds before it too, a
+        # last-bit difference that costs 4 kernel launches per norm to avoid.
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual + x, and its norm: (normed, new residual)."""
+        residual = residual + x
+        return self.rms_norm(residual, weight, eps), residual
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+        return F.silu(gate) * up
+
+
+TORCH_OPS = LayerOps()
+
+
+class KernelLayerOps(LayerOps):
+    """The same float32 arithmetic in one compiled pass each (model/cpu_kernels): PyTorch
+    spends 15-30 us per operation on a small CPU whatever its size. The residual stream is
+    updated in place. Float32 CPU models only (the worker decides at load time)."""
+
+    name = "cpu-kernels"
+
+    def __init__(self, kernels) -> None:  # model.cpu_kernels.CpuKernels
+        self.kernels = kernels
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.kernels.add_rms_norm(x, None, weight, eps)[0]
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kernels.add_rms_norm(x, residual, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.kernels.silu_mul(gate_up)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -41,10 +90,7 @@ class RMSNorm(nn.Module):
         self.dim = dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused kernel. It accumulates in float32 like transformers' RMSNorm; in bf16/fp16
-        # it rounds once after the weight product where transformers rounds before it too, a
-        # last-bit difference that costs 4 kernel launches per norm to avoid.
-        return F.rms_norm(x, (self.dim,), self.weight, self.eps)
+        return TORCH_OPS.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -86,11 +132,11 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear([cfg.intermediate_size] * 2, cfg.hidden_size, cfg.mlp_bias, tp)
         self.down_proj = RowParallelLinear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp)
         self.intermediate_size = cfg.intermediate_size // tp.size
+        self.ops: LayerOps = TORCH_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj.forward(x)  # (T, 2*I)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj.forward(F.silu(gate) * up)
+        return self.down_proj.forward(self.ops.silu_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -100,11 +146,21 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, rotary, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
+        self.ops: LayerOps = TORCH_OPS
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
-                meta: LayerAttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn.forward(self.input_layernorm.forward(x), rope, kv_cache, meta)
-        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: torch.Tensor, meta: LayerAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output (T, hidden), residual: the stream before it (None at
+        the first layer, where x is the embedding). Returns (this layer's output, the stream):
+        the stream plus both outputs is what ``x + attn(norm(x))``, ``x + mlp(norm(x))`` give."""
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            residual, h = x, self.ops.rms_norm(x, ln1.weight, ln1.eps)
+        else:
+            h, residual = self.ops.add_rms_norm(x, residual, ln1.weight, ln1.eps)
+        h = self.self_attn.forward(h, rope, kv_cache, meta)
+        h, residual = self.ops.add_rms_norm(h, residual, ln2.weight, ln2.eps)
+        return self.mlp.forward(h), residual
 
 
 class LlamaFamilyModel(nn.Module):
@@ -122,6 +178,7 @@ class LlamaFamilyModel(nn.Module):
         # split by vocabulary rows and gathered (model/linear.py VocabParallelLMHead).
         self.lm_head = VocabParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         self.tied = cfg.tie_word_embeddings
+        self.ops: LayerOps = TORCH_OPS
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None, kv_caches: list[torch.Tensor],
                 meta: LayerAttentionMetadata, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -133,9 +190,18 @@ class LlamaFamilyModel(nn.Module):
             if positions is None:
                 raise ValueError("forward needs positions or precomputed rope tables")
             rope = self.rotary.lookup(positions)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer.forward(x, rope, kv_cache, meta)
-        return self.norm.forward(x)
+            x, residual = layer.forward(x, residual, rope, kv_cache, meta)
+        if residual is None:  # no layers
+            return self.norm.forward(x)
+        return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
+
+    def set_layer_ops(self, ops: LayerOps) -> None:
+        """Use ``ops`` for the norms and activations of every layer (chosen once, at load time)."""
+        self.ops = ops
+        for layer in self.layers:
+            layer.ops = layer.mlp.ops = ops
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) logits: float32, or the model's dtype with

@@ -1,0 +1,68 @@
+"""CPU attention: decode steps through the compiled paged decode kernel, the rest through the
+reference.
+
+A step whose sequences all have one new token (plain decodes, the common step at any batch
+size) is attended by ``tailserve_paged_decode_attention`` (model/cpu_kernels/gemv_avx2.c):
+the new K/V written into their slots, then each (sequence, query head) walks its own block
+table, with no gathered copy of the context and no mask. Measured on a 2-core AVX2 machine at
+a 200-token context: ~230 us per layer through the reference's gather and SDPA, against a few
+microseconds here (docs/benchmarks.md). Prefill chunks and speculative verification (several
+queries per sequence) use the reference backend's metadata and kernels, unchanged.
+
+Float32 caches only, head sizes that are multiples of 8; the worker picks this backend for
+``--attention-backend auto`` on the CPU when the model is float32 and the kernels build.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tailserve.attention.reference import AttentionMetadata, TorchReferenceBackend
+from tailserve.model.cpu_kernels import CpuKernels
+
+
+@dataclass
+class CpuDecodeMetadata:
+    slot_mapping: torch.Tensor  # (B,) int64
+    block_tables: torch.Tensor  # (B, W) int32
+    seq_lens: torch.Tensor  # (B,) int32
+    max_ctx: int
+    sliding_window: int | None
+    kernels: CpuKernels
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        return self.kernels.paged_decode_attention(q, k, v, kv_cache, self.block_tables, self.seq_lens,
+                                                   self.slot_mapping, scale, self.sliding_window, self.max_ctx)
+
+
+class CpuDecodeBackend(TorchReferenceBackend):
+    name = "cpu-decode"
+    supports_graph_capture = False  # CPU: nothing to capture
+
+    def __init__(self, *args, kernels: CpuKernels, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.kernels = kernels
+
+    @staticmethod
+    def handles(head_dim: int, dtype: torch.dtype) -> bool:
+        return head_dim % 8 == 0 and head_dim <= 512 and dtype == torch.float32
+
+    def build(self, query_lens: list[int], context_lens: list[int],
+              block_tables: list[list[int]]) -> CpuDecodeMetadata | AttentionMetadata:
+        if any(q != 1 for q in query_lens):
+            return super().build(query_lens, context_lens, block_tables)
+        b, bs = len(query_lens), self.block_size
+        width = max(-(-c // bs) for c in context_lens)
+        tables = np.zeros((b, width), dtype=np.int32)
+        slots = np.empty(b, dtype=np.int64)
+        for i, (c, table) in enumerate(zip(context_lens, block_tables)):
+            nb = -(-c // bs)
+            tables[i, :nb] = table[:nb]
+            slots[i] = table[(c - 1) // bs] * bs + (c - 1) % bs
+        return CpuDecodeMetadata(torch.from_numpy(slots), torch.from_numpy(tables),
+                                 torch.tensor(context_lens, dtype=torch.int32), max(context_lens),
+                                 self.sliding_window, self.kernels)

@@ -1,0 +1,175 @@
+"""Small compiled CPU kernels: matrix products with compact weights (bf16, fp16, int8) and
+float32 arithmetic, for decode on CPUs where PyTorch's own kernels fall short.
+
+Measured on a 2-core AVX2 machine (docs/benchmarks.md): PyTorch's float32 products of a
+decode step read weights at about half the memory bandwidth, and its bf16 ones are slower
+still on a CPU without native bf16, while a decode step's time is its weight bytes over the
+bandwidth. ``gemv_avx2.c`` keeps weights compact and widens them in registers (what
+llama.cpp does). It is compiled on first use with the system C compiler (``$CC``, else
+``cc``/``gcc``) into ``$TAILSERVE_CACHE_DIR`` (default ``~/.cache/tailserve/kernels``), keyed
+by the source's hash, and loaded with ctypes: no PyTorch headers, about a second to build.
+
+``kernels()`` returns None (and the callers use PyTorch's kernels) when the CPU lacks AVX2/FMA,
+no compiler is found, the build fails, or ``TAILSERVE_CPU_KERNELS=0``; ``unavailable_reason()``
+says which.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = pathlib.Path(__file__).with_name("gemv_avx2.c")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-lm"]
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+class CpuKernels:
+    """The loaded library: ``gemm(x, w, scale)`` for each weight format, and the fused
+    per-layer operations of a float32 decode (``add_rms_norm``, ``silu_mul``)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        args = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+        self._fns = {}
+        for fmt, name in ((torch.bfloat16, "tailserve_gemm_bf16w"), (torch.float16, "tailserve_gemm_f16w"),
+                          (torch.int8, "tailserve_gemm_i8w")):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, None
+            self._fns[fmt] = fn
+
+        self._norm = lib.tailserve_add_rms_norm
+        self._norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_float]
+        self._norm.restype = None
+        self._silu_mul = lib.tailserve_silu_mul
+        self._silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2
+        self._silu_mul.restype = None
+        self._attn = lib.tailserve_paged_decode_attention
+        self._attn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] + [ctypes.c_void_p] * 3 \
+            + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_long, ctypes.c_long, ctypes.c_int]
+        self._attn.restype = None
+
+    def paged_decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor, scale: float,
+                               window: int | None, max_ctx: int) -> torch.Tensor:
+        """One query per sequence: q (B, H, D), k/v (B, KVH, D) written into ``kv_cache``
+        (2, num_blocks, block_size, KVH, D) float32 at ``slots`` (B,) int64; block_tables
+        (B, W) int32, seq_lens (B,) int32 (context after this token). Returns (B, H*D)."""
+        b, h, d = q.shape
+        kvh, bs = k.shape[1], kv_cache.shape[2]
+        out = torch.empty((b, h * d), dtype=torch.float32)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        self._attn(q.data_ptr(), k.data_ptr(), v.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+                   block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), slots.data_ptr(),
+                   out.data_ptr(), b, h, kvh, d, bs, scale, window or 0, max_ctx, torch.get_num_threads())
+        return out
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 (M, K): with a residual, ``residual += x`` (in place) then its RMS norm times
+        ``weight``; without, the norm of x. Returns (normed, the residual stream)."""
+        stream = x if residual is None else residual
+        if stream.dtype != torch.float32 or not stream.is_contiguous() or not x.is_contiguous():
+            raise ValueError("add_rms_norm takes contiguous float32 tensors")
+        y = torch.empty_like(stream)
+        m, k = stream.shape
+        self._norm(stream.data_ptr(), 0 if residual is None else x.data_ptr(), weight.data_ptr(), y.data_ptr(),
+                   m, k, eps)
+        return y, stream
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """(M, 2I) float32 -> silu(gate) * up, (M, I)."""
+        gate_up = gate_up.contiguous()
+        m, two_i = gate_up.shape
+        out = torch.empty((m, two_i // 2), dtype=torch.float32)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), m, two_i // 2)
+        return out
+
+    @staticmethod
+    def supports(w: torch.Tensor) -> bool:
+        """Whether a weight can go through these kernels (2-D, contiguous, K a multiple of 8)."""
+        return (w.dim() == 2 and w.is_contiguous() and w.device.type == "cpu" and w.shape[1] % 8 == 0
+                and w.dtype in (torch.bfloat16, torch.float16, torch.int8))
+
+    def gemm(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """x (M, K) float32, w (N, K) compact, scale (N,) float32 or None -> (M, N) float32."""
+        x = x.contiguous()
+        m, k = x.shape
+        n = w.shape[0]
+        if x.dtype != torch.float32 or w.shape[1] != k:
+            raise ValueError(f"gemm takes float32 x (M, {w.shape[1]}), got {x.dtype} {tuple(x.shape)}")
+        y = torch.empty((m, n), dtype=torch.float32)
+        self._fns[w.dtype](x.data_ptr(), w.data_ptr(), 0 if scale is None else scale.data_ptr(), y.data_ptr(),
+                           m, n, k, torch.get_num_threads())
+        return y
+
+
+def _cache_dir() -> pathlib.Path:
+    root = os.environ.get("TAILSERVE_CACHE_DIR")
+    return pathlib.Path(root) if root else pathlib.Path.home() / ".cache" / "tailserve" / "kernels"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _build() -> tuple[CpuKernels | None, str]:
+    if os.environ.get("TAILSERVE_CPU_KERNELS", "1") == "0":
+        return None, "TAILSERVE_CPU_KERNELS=0"
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap not in ("AVX2", "AVX512"):
+        return None, f"the CPU's vector capability is {cap} (the kernels need AVX2 and FMA)"
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"gemv_avx2-{digest}.so"
+    if not target.exists():
+        cc = _compiler()
+        if cc is None:
+            return None, "no C compiler found ($CC, cc, gcc, clang)"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            out = pathlib.Path(tmp) / target.name
+            proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
+            if proc.returncode != 0:
+                last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
+                return None, f"{cc} failed: {last}"
+            os.replace(out, target)  # atomic: a concurrent process sees the whole file or none
+        log.info("compiled CPU kernels built in %.1f s (%s), cached in %s", time.perf_counter() - t0, cc, target)
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as e:
+        return None, f"loading {target}: {e}"
+    return CpuKernels(lib), ""
+
+
+def kernels() -> CpuKernels | None:
+    """The kernels, built and loaded once per process (None where they cannot run)."""
+    with _lock:
+        if "kernels" not in _state:
+            k, why = _build()
+            _state["kernels"], _state["reason"] = k, why
+            if k is None:
+                log.info("compiled CPU kernels unavailable: %s (PyTorch's kernels are used)", why)
+        return _state["kernels"]  # type: ignore[return-value]
+
+
+def unavailable_reason() -> str:
+    kernels()
+    return str(_state["reason"])

@@ -1,0 +1,202 @@
+"""The compiled CPU kernels (model/cpu_kernels): compact-weight products with float32
+arithmetic, the build and its fallbacks, and the linear methods that use them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tailserve.model import cpu_kernels
+from tailserve.model.linear import Int8WeightOnlyLinearMethod, Linear, select_linear_method
+from tailserve.model.loader import load_model
+
+KERNELS = cpu_kernels.kernels()
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason=f"compiled CPU kernels: {cpu_kernels.unavailable_reason()}")
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", [torch.bfloat16, torch.float16, torch.int8])
+@pytest.mark.parametrize("m, n, k", [(1, 1, 8), (1, 67, 64), (2, 5, 520), (3, 64, 64), (16, 130, 136), (17, 9, 8)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_each_format_computes_the_widened_product(fmt, m, n, k, threads):
+    """Every row count (the 2-row blocking and its remainder), every column count (4-row
+    blocks and a short last one) and thread count gives F.linear of the widened weight."""
+    g = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
+    x = torch.randn(m, k, generator=g)
+    if fmt == torch.int8:
+        w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        scale = torch.rand(n, generator=g) + 0.01
+        want = F.linear(x, w.float()) * scale
+    else:
+        w = torch.randn(n, k, generator=g).to(fmt)
+        scale = None
+        want = F.linear(x, w.float())
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = KERNELS.gemm(x, w, scale)
+    finally:
+        torch.set_num_threads(before)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * k ** 0.5)
+
+
+def test_the_build_falls_back_with_a_reason(monkeypatch, tmp_path):
+    monkeypatch.setenv("TAILSERVE_CPU_KERNELS", "0")
+    assert cpu_kernels._build() == (None, "TAILSERVE_CPU_KERNELS=0")
+    monkeypatch.delenv("TAILSERVE_CPU_KERNELS")
+    monkeypatch.setenv("TAILSERVE_CACHE_DIR", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("PATH", str(tmp_path))  # no compiler anywhere
+    monkeypatch.delenv("CC", raising=False)
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        assert cpu_kernels._build() == (None, "no C compiler found ($CC, cc, gcc, clang)")
+
+
+@needs_kernels
+def test_a_fresh_cache_builds_the_library_once(monkeypatch, tmp_path):
+    monkeypatch.setenv("TAILSERVE_CACHE_DIR", str(tmp_path))
+    k, why = cpu_kernels._build()
+    assert k is not None and why == ""
+    (built,) = tmp_path.glob("gemv_avx2-*.so")
+    mtime = built.stat().st_mtime_ns
+    assert cpu_kernels._build()[0] is not None and built.stat().st_mtime_ns == mtime  # reused, not rebuilt
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "llama_tied"])
+def test_compact_weights_give_the_float32_model_of_a_bf16_checkpoint(tmp_path, kind):
+    """bf16 -> float32 is exact, so keeping a bf16 checkpoint's weights in bf16 and computing
+    in float32 is the float32 model of that checkpoint, decode rows and prefill rows alike."""
+    from conftest import build_hf_model, save_checkpoint
+    from tailserve.attention.reference import build_attention_metadata
+
+    # A model of its own: saving in bf16 rounds the weights of the model it is given.
+    path = save_checkpoint(build_hf_model(kind), tmp_path / "bf16", dtype=torch.bfloat16)
+    cpu = torch.device("cpu")
+    full, cfg = load_model(path, torch.float32, linear_method=select_linear_method(cpu, True))
+    method = select_linear_method(cpu, True, compact_weights=torch.bfloat16)
+    assert method.name == "cpu-compact-weights"
+    compact, _ = load_model(path, torch.float32, linear_method=method)
+    linears = [m for m in compact.modules() if isinstance(m, Linear)]
+    assert all(m.method.name == "cpu-compact-weights" and m.qweight.dtype == torch.bfloat16 for m in linears)
+    g = torch.Generator().manual_seed(4)
+    for n in (1, 5, 40):  # kernel rows (<= 16) and widened-weight rows (> 16)
+        ids = torch.randint(0, cfg.vocab_size, (n,), generator=g)
+        outs = []
+        for model in (full, compact):
+            caches = [torch.zeros(2, 4, 16, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+            meta = build_attention_metadata([n], [n], [list(range(4))], 16, cfg.sliding_window, cpu)
+            with torch.inference_mode():
+                outs.append(model.compute_logits(model(ids, torch.arange(n), caches, meta)))
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+
+
+@needs_kernels
+def test_auto_on_a_cpu_without_native_bf16_keeps_the_checkpoint_compact(tmp_path):
+    from conftest import build_hf_model, save_checkpoint
+    from tailserve import LLM, SamplingParams
+    from tailserve.platform_info import resolve_auto_dtype
+
+    path = save_checkpoint(build_hf_model("llama"), tmp_path / "bf16", dtype=torch.bfloat16)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9] * 3, [11, 12, 13]]
+    want = [o.token_ids for o in LLM(str(path), dtype="float32", kv_cache_memory_bytes=2 << 20)
+            .generate(prompts, params)]
+    auto = LLM(str(path), kv_cache_memory_bytes=2 << 20)
+    worker = auto.engine.core.worker
+    if resolve_auto_dtype(torch.bfloat16, torch.device("cpu"))[0] == torch.float32:
+        assert worker.linear_method.name == "cpu-compact-weights"
+        assert "weights kept in bfloat16" in worker.dtype_reason
+        assert [o.token_ids for o in auto.generate(prompts, params)] == want
+    off = LLM(str(path), kv_cache_memory_bytes=2 << 20, cpu_kernels=False)
+    assert off.engine.core.worker.linear_method.name != "cpu-compact-weights"
+
+
+@needs_kernels
+def test_int8_with_float32_activations_uses_the_compiled_kernel_for_small_batches():
+    torch.manual_seed(3)
+    w, b = torch.randn(36, 64), torch.randn(36)
+    layer = Linear(36, 64, True)
+    layer.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+    layer.bias = torch.nn.Parameter(b.clone(), requires_grad=False)
+    layer.set_method(Int8WeightOnlyLinearMethod(torch.device("cpu")))
+    assert layer.scales_f32 is not None
+    q, scales = Int8WeightOnlyLinearMethod.quantize(w)
+    for rows in (1, 16):  # the kernel, float32 throughout: tight
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(layer.forward(x), F.linear(x, q.float() * scales[:, None], b), rtol=1e-5,
+                                   atol=1e-4)
+    x = torch.randn(17, 64)  # beyond SMALL_BATCH: PyTorch's kernel, bf16 inside
+    torch.testing.assert_close(layer.forward(x), F.linear(x, q.float() * scales[:, None], b), rtol=2e-2, atol=5e-2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("m, k", [(1, 512), (3, 13), (16, 520)])
+def test_the_fused_norm_and_activation_are_pytorchs_arithmetic(m, k):
+    g = torch.Generator().manual_seed(m + k)
+    x, res, w = torch.randn(m, k, generator=g), torch.randn(m, k, generator=g), torch.randn(k, generator=g)
+    y, stream = KERNELS.add_rms_norm(x, None, w, 1e-6)
+    assert stream is x
+    torch.testing.assert_close(y, F.rms_norm(x, (k,), w, 1e-6), rtol=1e-5, atol=1e-5)
+    want_stream = res + x
+    y, stream = KERNELS.add_rms_norm(x, res, w, 1e-6)
+    assert stream is res  # the residual stream is updated in place
+    torch.testing.assert_close(stream, want_stream, rtol=0, atol=0)
+    torch.testing.assert_close(y, F.rms_norm(want_stream, (k,), w, 1e-6), rtol=1e-5, atol=1e-5)
+    gu = torch.randn(m, 2 * k, generator=g) * 6  # the exp's range well covered
+    torch.testing.assert_close(KERNELS.silu_mul(gu), F.silu(gu[:, :k]) * gu[:, k:], rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("seed", range(8))
+def test_the_decode_attention_kernel_matches_the_reference(seed):
+    """Random scattered block tables, contexts, GQA ratios, head sizes and windows: the same
+    output as the reference backend, and the same K/V written into the same slots."""
+    import random
+
+    from tailserve.attention.cpu_decode import CpuDecodeBackend, CpuDecodeMetadata
+    from tailserve.attention.reference import build_attention_metadata, paged_attention
+
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    b = rng.randint(1, 6)
+    h, kvh, d, bs = rng.choice([(8, 2, 64, 16), (4, 4, 16, 4), (6, 2, 32, 8), (2, 1, 128, 16)])
+    window = rng.choice([None, 5, 40])
+    ctxs = [rng.randint(1, 70) for _ in range(b)]
+    num_blocks = sum(-(-c // bs) for c in ctxs) + 2
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-c // bs))] for c in ctxs]
+    cache = torch.randn(2, num_blocks, bs, kvh, d)
+    q, k, v = torch.randn(b, h, d), torch.randn(b, kvh, d), torch.randn(b, kvh, d)
+    backend = CpuDecodeBackend(bs, 8, 64, 256, window, torch.device("cpu"), kernels=KERNELS)
+    meta = backend.build([1] * b, ctxs, tables)
+    assert isinstance(meta, CpuDecodeMetadata)
+    ours, theirs = cache.clone(), cache.clone()
+    got = meta.attend(q, k, v, ours, d ** -0.5)
+    ref_meta = build_attention_metadata([1] * b, ctxs, tables, bs, window, torch.device("cpu"))
+    want = paged_attention(q, k, v, theirs, ref_meta, d ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(ours, theirs)
+    # A step with a longer query (a prefill chunk) goes to the reference's metadata.
+    assert not isinstance(backend.build([3], [ctxs[0] + 2], [tables[0] + [free[0]]]), CpuDecodeMetadata)
+
+
+@needs_kernels
+def test_a_float32_cpu_engine_runs_the_kernels_and_generates_what_pytorch_does(tiny_checkpoint):
+    from tailserve import LLM, SamplingParams
+    from tailserve.attention.cpu_decode import CpuDecodeBackend
+    from tailserve.model.llama import KernelLayerOps
+
+    path, _ = tiny_checkpoint("mistral")  # a sliding window too
+    prompts = [[5, 6, 7, 8, 9] * 7, [11, 12, 13], [40, 41, 42, 43, 44, 45, 46]]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    kw = dict(dtype="float32", kv_cache_memory_bytes=2 << 20, block_size=4)
+    fast = LLM(str(path), **kw)
+    worker = fast.engine.core.worker
+    assert isinstance(worker.attn_backend, CpuDecodeBackend) and isinstance(worker.layer_ops, KernelLayerOps)
+    plain = LLM(str(path), cpu_kernels=False, **kw)
+    assert not isinstance(plain.engine.core.worker.attn_backend, CpuDecodeBackend)
+    assert [o.token_ids for o in fast.generate(prompts, params)] == \
+        [o.token_ids for o in plain.generate(prompts, params)]

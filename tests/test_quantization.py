@@ -1,0 +1,96 @@
+"""Weight-only int8 (``--quantization int8``, model/linear.py Int8WeightOnlyLinearMethod):
+the per-row quantisation, the product it computes, and the engine on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tailserve import LLM, SamplingParams
+from tailserve.model.linear import Int8WeightOnlyLinearMethod, Linear, select_linear_method
+from tailserve.model.loader import load_model
+
+
+def test_rows_are_quantised_symmetrically_within_half_a_step():
+    torch.manual_seed(0)
+    w = torch.randn(48, 96) * torch.linspace(0.01, 5.0, 48)[:, None]  # rows of very different ranges
+    w[3] = 0.0  # an all-zero row must not divide by zero
+    q, scales = Int8WeightOnlyLinearMethod.quantize(w)
+    assert q.dtype == torch.int8 and scales.shape == (48,)
+    assert q.abs().max() <= 127 and (q.abs().amax(1)[torch.arange(48) != 3] == 127).all()
+    err = (q.float() * scales[:, None] - w).abs()
+    assert (err <= scales[:, None] / 2 + 1e-6).all()  # round to nearest: at most half a step per element
+    assert (q[3] == 0).all()
+
+
+def _layer(w: torch.Tensor, bias: torch.Tensor | None, method) -> Linear:
+    layer = Linear(w.shape[0], w.shape[1], bias is not None)
+    layer.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+    if bias is not None:
+        layer.bias = torch.nn.Parameter(bias.clone(), requires_grad=False)
+    layer.set_method(method)
+    return layer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_the_product_is_that_of_the_dequantised_weight(dtype, rows):
+    torch.manual_seed(1)
+    w, b = torch.randn(40, 64).to(dtype), torch.randn(40).to(dtype)
+    x = torch.randn(rows, 64).to(dtype)
+    layer = _layer(w, b, Int8WeightOnlyLinearMethod())
+    assert layer.weight.device.type == "meta" and layer.qweight.dtype == torch.int8  # no full-precision copy kept
+    q, scales = Int8WeightOnlyLinearMethod.quantize(w)
+    want = F.linear(x.float(), q.float() * scales[:, None], b.float())
+    got = layer.forward(x)
+    assert got.dtype == dtype and got.shape == (rows, 40)
+    # The kernel multiplies in bf16 on the CPU: bf16's rounding of x and of the sum bound the error.
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=5e-2)
+    # The dequantise-per-call fallback computes the same product.
+    layer.use_int8_kernel = False
+    layer.scales = scales.to(dtype)
+    torch.testing.assert_close(layer.forward(x).float(), want, rtol=2e-2, atol=5e-2)
+
+
+def test_an_unknown_quantization_is_refused():
+    with pytest.raises(ValueError, match="quantization"):
+        select_linear_method(torch.device("cpu"), True, "int4")
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "llama_tied"])
+def test_the_int8_model_stays_close_to_the_full_precision_one(tiny_checkpoint, kind):
+    """Every projection and the LM head go int8 (biases and norms stay); the logits move by
+    a small fraction of their spread, and most greedy choices are unchanged."""
+    path, _ = tiny_checkpoint(kind)
+    cpu = torch.device("cpu")
+    full, cfg = load_model(path, torch.float32, linear_method=select_linear_method(cpu, False))
+    q8, _ = load_model(path, torch.float32, linear_method=select_linear_method(cpu, False, "int8"))
+    linears = [m for m in q8.modules() if isinstance(m, Linear)]
+    assert linears and all(m.method.name == "int8-weight-only" and m.qweight is not None for m in linears)
+    from tailserve.attention.reference import build_attention_metadata
+
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, cfg.vocab_size, (40,), generator=g)
+    outs = []
+    for model in (full, q8):
+        caches = [torch.zeros(2, 5, 16, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+        meta = build_attention_metadata([40], [40], [list(range(5))], 16, cfg.sliding_window, cpu)
+        with torch.inference_mode():
+            outs.append(model.compute_logits(model(ids, torch.arange(40), caches, meta)))
+    a, b = outs
+    assert ((b - a).abs().mean() / a.std()) < 0.05
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.85
+
+
+def test_the_engine_serves_an_int8_model_and_a_full_precision_draft(tiny_checkpoint, noisy_draft):
+    path, _ = tiny_checkpoint("llama")
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    kw = dict(dtype="float32", kv_cache_memory_bytes=2 << 20, quantization="int8")
+    plain_q8 = LLM(str(path), **kw).generate([[5, 6, 7, 8]], params)[0].token_ids
+    spec = LLM(str(path), speculative_model=str(noisy_draft), num_speculative_tokens=3, **kw)
+    worker = spec.engine.core.worker
+    assert worker.linear_method.name == "int8-weight-only"
+    assert worker.draft_linear_method.name != "int8-weight-only"  # the draft keeps its precision
+    # Speculative decoding stays lossless over the int8 target: the same greedy tokens.
+    assert spec.generate([[5, 6, 7, 8]], params)[0].token_ids == plain_q8
