@@ -14,7 +14,8 @@ llama.cpp gets the same weights as GGUF files written here with the ``gguf`` pac
 and is driven through llama-cpp-python's low-level batch API (one sequence id per copy).
 
 Each figure is printed with its ratio to transformers bf16 and, where llama.cpp ran, to
-llama.cpp's best non-quantised figure (f32 or bf16 GGUF) measured in the same run.
+llama.cpp's best non-quantised figure (f32 or bf16 GGUF): per round, then the median over
+rounds (shared machines drift more between rounds than between neighbouring runs).
 
     python benchmarks/bench_peers.py [--runs 3] [--rounds 1] [--threads 2]
         [--llamacpp-python PY]   # an interpreter with llama-cpp-python and gguf (pip install gguf)
@@ -332,37 +333,46 @@ def main() -> None:
                 samples.setdefault((engine, variant), []).append(res)
                 print(f"  {engine} {variant}: {res}", file=sys.stderr, flush=True)
 
+    keys = ("batch1_decode_tok_s", "batch16_decode_tok_s")
+    # Per round: llama.cpp's best non-quantised figure, so each ratio compares runs minutes apart
+    # (the machine drifts between rounds more than between neighbouring runs).
+    best_per_round = [{k: max((samples[(e, v)][i][k] for e, v in samples
+                               if e == "llama.cpp" and v in ("f32", "bf16") and i < len(samples[(e, v)])
+                               and k in samples[(e, v)][i]), default=None) for k in keys}
+                      for i in range(args.rounds)]
+    hf_per_round = [{k: samples[("transformers", "bfloat16")][i].get(k)
+                     if ("transformers", "bfloat16") in samples else None for k in keys} for i in range(args.rounds)]
     results = {}
     for (engine, variant), runs in samples.items():
-        ok = [r for r in runs if "error" not in r]
+        ok = [(i, r) for i, r in enumerate(runs) if "error" not in r]
         if not ok:
             results[f"{engine} {variant}"] = {"error": runs[-1]["error"]}
             continue
-        results[f"{engine} {variant}"] = {
-            "setup": ok[-1].get("setup", variant),
-            **{k: statistics.median(r[k] for r in ok) for k in ("batch1_decode_tok_s", "batch16_decode_tok_s")}}
-    ref = results.get("transformers bfloat16", {})
-    llama_best = {k: max((r[k] for name, r in results.items()
-                          if name in ("llama.cpp f32", "llama.cpp bf16") and k in r), default=None)
-                  for k in ("batch1_decode_tok_s", "batch16_decode_tok_s")}
-    print(f"\n{'engine / setup':<44}{'batch 1':>10}{'x HF bf16':>11}{'x llama.cpp':>13}"
-          f"{'batch 16':>11}{'x HF bf16':>11}{'x llama.cpp':>13}")
+        entry = {"setup": ok[-1][1].get("setup", variant), "rounds": [r for _, r in ok]}
+        for k in keys:
+            entry[k] = statistics.median(r[k] for _, r in ok)
+            for name, ref in (("x_llamacpp", best_per_round), ("x_hf_bf16", hf_per_round)):
+                ratios = [r[k] / ref[i][k] for i, r in ok if ref[i][k]]
+                entry[f"{k}_{name}"] = statistics.median(ratios) if ratios else None
+        results[f"{engine} {variant}"] = entry
+    print(f"\n{'engine / setup':<48}{'batch 1':>9}{'x HF bf16':>11}{'x llama.cpp':>13}"
+          f"{'batch 16':>10}{'x HF bf16':>11}{'x llama.cpp':>13}")
     for name, r in results.items():
         if "error" in r:
-            print(f"{name:<44}  failed: {r['error']}")
+            print(f"{name:<48}  failed: {r['error']}")
             continue
         cells = []
-        for k in ("batch1_decode_tok_s", "batch16_decode_tok_s"):
-            v = r[k]
-            hf = f"{v / ref[k]:.2f}" if k in ref else "-"
-            lc = f"{v / llama_best[k]:.2f}" if llama_best[k] else "-"
-            cells.append(f"{v:>10.1f}{hf:>11}{lc:>13}")
+        for k in keys:
+            hf, lc = r[f"{k}_x_hf_bf16"], r[f"{k}_x_llamacpp"]
+            hf_s, lc_s = "-" if hf is None else f"{hf:.2f}", "-" if lc is None else f"{lc:.2f}"
+            cells.append(f"{r[k]:>9.1f}{hf_s:>11}{lc_s:>13}")
         label = f"{name} ({r['setup']})" if r["setup"] != name.split(" ", 1)[1] else name
-        print(f"{label:<44}" + cells[0] + " " + cells[1])
+        print(f"{label:<48}" + cells[0] + " " + cells[1])
     for engine, variant, _, _, skip in plan:
         if skip:
             print(f"{engine} {variant}: skipped: {skip}")
-    print("x llama.cpp: against llama.cpp's best non-quantised GGUF (f32 or bf16) in this run")
+    print("tok/s: median over rounds; x HF bf16, x llama.cpp: median over rounds of the ratio to transformers "
+          "bf16 / to llama.cpp's best non-quantised GGUF (f32 or bf16) in the same round")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"cpu_capability": torch.backends.cpu.get_cpu_capability(),
                                                        "threads": args.threads, "results": results}, indent=2))

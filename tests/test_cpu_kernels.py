@@ -53,6 +53,16 @@ def test_the_build_falls_back_with_a_reason(monkeypatch, tmp_path):
         assert cpu_kernels._build() == (None, "no C compiler found ($CC, cc, gcc, clang)")
 
 
+def test_an_unwritable_cache_folder_falls_back_with_a_reason(monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("TAILSERVE_CACHE_DIR", str(blocker / "kernels"))  # under a file: mkdir fails
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and cpu_kernels._compiler():
+        assert cpu_kernels.kernels() is None
+        assert cpu_kernels.unavailable_reason().startswith("building the kernels failed")
+
+
 @needs_kernels
 def test_a_fresh_cache_builds_the_library_once(monkeypatch, tmp_path):
     monkeypatch.setenv("TAILSERVE_CACHE_DIR", str(tmp_path))
@@ -200,3 +210,21 @@ def test_a_float32_cpu_engine_runs_the_kernels_and_generates_what_pytorch_does(t
     assert not isinstance(plain.engine.core.worker.attn_backend, CpuDecodeBackend)
     assert [o.token_ids for o in fast.generate(prompts, params)] == \
         [o.token_ids for o in plain.generate(prompts, params)]
+
+
+@needs_kernels
+def test_weights_that_are_not_exactly_bf16_keep_float32():
+    """A checkpoint whose config says bf16 may store float32 values: compacting those would
+    round them, so such a layer keeps a float32 method."""
+    from tailserve.model.linear import CpuCompactWeightsLinearMethod
+
+    exact = torch.randn(16, 64).bfloat16().float()
+    for w, want in ((exact, "cpu-compact-weights"), (exact + 1e-3, "onednn-packed")):
+        layer = Linear(16, 64, False)
+        layer.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+        layer.set_method(CpuCompactWeightsLinearMethod(torch.bfloat16))
+        assert layer.method.name in (want, "plain")
+        x = torch.randn(2, 64)
+        torch.testing.assert_close(layer.forward(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+        if want == "cpu-compact-weights":
+            assert layer.method.name == want

@@ -105,9 +105,10 @@ class Worker:
         else:
             dtype, self.dtype_reason = parse_dtype(config.dtype), "--dtype"
         # Platform choices, made once: how linear layers multiply, which attention backend.
-        # A float32 model on a CPU without native bf16/fp16 keeps a bf16/fp16 checkpoint's
-        # weights in that dtype (exact; half the bytes) when the compiled kernels run here.
-        compact = arch.dtype if (config.dtype == "auto" and self.device.type == "cpu" and dtype == torch.float32
+        # A float32 model of a bf16/fp16 checkpoint on the CPU keeps the weights in the
+        # checkpoint's dtype (widening is exact: the same products, half the bytes) when the
+        # compiled kernels run here: what --dtype auto gives on a CPU without native bf16.
+        compact = arch.dtype if (self.device.type == "cpu" and dtype == torch.float32
                                  and arch.dtype in (torch.bfloat16, torch.float16)) else None
         self.linear_method = select_linear_method(self.device, config.cpu_onednn, config.quantization,
                                                   compact_weights=compact, cpu_kernels=config.cpu_kernels)

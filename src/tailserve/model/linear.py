@@ -225,7 +225,8 @@ class CpuCompactWeightsLinearMethod(LinearMethod):
     model, in half its weight bytes: a decode step's time is its weight bytes over the memory
     bandwidth. Batches of up to ``SMALL_BATCH`` rows go through the compiled kernel
     (model/cpu_kernels); larger ones (prefill chunks, whose products are compute-bound) widen
-    the weight once per call and use PyTorch's float32 kernel."""
+    the weight once per call and use PyTorch's float32 kernel. A layer whose weights do not
+    round-trip exactly (a checkpoint that stores float32 under a bf16 config) keeps float32."""
 
     name = "cpu-compact-weights"
     SMALL_BATCH = 16
@@ -239,8 +240,10 @@ class CpuCompactWeightsLinearMethod(LinearMethod):
             raise RuntimeError("the compiled CPU kernels are unavailable")
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        w = layer.weight.detach().to(self.weight_dtype).contiguous()
-        if not self.kernels.supports(w):
+        full = layer.weight.detach()
+        w = full.to(self.weight_dtype).contiguous()
+        # Only where it is lossless: a checkpoint whose config says bf16 may still store float32.
+        if not self.kernels.supports(w) or not torch.equal(w.to(full.dtype), full):
             layer.method = OneDNNPackedLinearMethod() if onednn_available() else PLAIN
             layer.method.process_weights_after_loading(layer)
             return

@@ -163,7 +163,10 @@ def kernels() -> CpuKernels | None:
     """The kernels, built and loaded once per process (None where they cannot run)."""
     with _lock:
         if "kernels" not in _state:
-            k, why = _build()
+            try:
+                k, why = _build()
+            except OSError as e:  # an unwritable cache folder, a compiler that cannot be run, ...
+                k, why = None, f"building the kernels failed: {e}"
             _state["kernels"], _state["reason"] = k, why
             if k is None:
                 log.info("compiled CPU kernels unavailable: %s (PyTorch's kernels are used)", why)

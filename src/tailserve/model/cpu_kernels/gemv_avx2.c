@@ -186,10 +186,11 @@ void tailserve_silu_mul(const float* gu, float* out, long M, long I) {
 }
 
 /* -- decode attention over the paged KV cache -------------------------------------------------
- * One query per sequence: write the step's K/V into their slots, then per (sequence, query
- * head) scores against every cached key of that sequence (block table order), softmax in
- * float32, and the weighted sum of values. GQA: head h reads KV head h / (H / KVH). A window
- * > 0 keeps the last `window` positions. D must be a multiple of 8. Caches are float32
+ * One query per sequence: write the step's K/V into their slots, then per (sequence, KV head)
+ * every query head that shares that KV head (GQA: heads h with h / (H / KVH) == kvh) scores
+ * against each cached key of the sequence (block table order, each K and V row read once for
+ * the whole group), softmax in float32, and the weighted sum of values. A window > 0 keeps
+ * the last `window` positions. D must be a multiple of 8. Caches are float32
  * (num_slots, KVH, D) with slot = block * block_size + offset. */
 void tailserve_paged_decode_attention(const float* q, const float* k_new, const float* v_new, float* k_cache,
                                       float* v_cache, const int32_t* block_tables, long bt_stride,
@@ -200,53 +201,112 @@ void tailserve_paged_decode_attention(const float* q, const float* k_new, const 
         memcpy(k_cache + slots[b] * KVH * D, k_new + b * KVH * D, KVH * D * sizeof(float));
         memcpy(v_cache + slots[b] * KVH * D, v_new + b * KVH * D, KVH * D * sizeof(float));
     }
-    long group = H / KVH;
-    long work = B * H;
-    int nt = work * max_ctx * D < (1L << 16) ? 1 : threads;  /* small steps: no thread wake-up */
+    long G = H / KVH, work = B * KVH, stride = KVH * D;
+    int nt = work * G * max_ctx * D < (1L << 16) ? 1 : threads;  /* small steps: no thread wake-up */
     _Pragma("omp parallel num_threads(nt)")
     {
-        float* p = (float*)malloc((size_t)(max_ctx + 8) * sizeof(float));
+        float* p = (float*)malloc((size_t)G * (max_ctx + 8) * sizeof(float));
+        float* mx = (float*)malloc((size_t)G * sizeof(float));
         _Pragma("omp for schedule(static)")
         for (long i = 0; i < work; i++) {
-            long b = i / H, h = i % H, kvh = h / group;
+            long b = i / KVH, kvh = i % KVH;
             long ctx = seq_lens[b];
             long start = window > 0 && ctx > window ? ctx - window : 0;
-            const float* qv = q + (b * H + h) * D;
-            const int32_t* table = block_tables + b * bt_stride;
-            float mx = -INFINITY;
-            for (long j = start; j < ctx; j++) {
-                long slot = (long)table[j / block_size] * block_size + j % block_size;
-                const float* kv = k_cache + (slot * KVH + kvh) * D;
-                __m256 acc = _mm256_setzero_ps();
-                for (long d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(kv + d), acc);
-                float sc = hsum8(acc) * scale;
-                p[j - start] = sc;
-                if (sc > mx) mx = sc;
-            }
             long n = ctx - start;
-            float sum = 0.0f;
-            long j = 0;
-            __m256 mv = _mm256_set1_ps(mx), sv = _mm256_setzero_ps();
-            for (; j + 8 <= n; j += 8) {
-                __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p + j), mv));
-                _mm256_storeu_ps(p + j, e);
-                sv = _mm256_add_ps(sv, e);
+            const float* qg = q + (b * H + kvh * G) * D;  /* the group's G query heads, contiguous */
+            const int32_t* table = block_tables + b * bt_stride;
+            for (long g = 0; g < G; g++) mx[g] = -INFINITY;
+            /* Scores: walk the block table block by block (no division per position). */
+            for (long j = start; j < ctx;) {
+                long blk = j / block_size, off = j - blk * block_size;
+                long stop = (blk + 1) * block_size < ctx ? (blk + 1) * block_size : ctx;
+                const float* kb = k_cache + ((long)table[blk] * block_size * KVH + kvh) * D;
+                for (; j < stop; j++, off++) {
+                    const float* kv = kb + off * stride;
+                    for (long g = 0; g < G; g++) {
+                        const float* qv = qg + g * D;
+                        __m256 c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps();
+                        long d = 0;
+                        for (; d + 16 <= D; d += 16) {
+                            c0 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(kv + d), c0);
+                            c1 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d + 8), _mm256_loadu_ps(kv + d + 8), c1);
+                        }
+                        if (d < D) c0 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(kv + d), c0);
+                        float sc = hsum8(_mm256_add_ps(c0, c1)) * scale;
+                        p[g * (max_ctx + 8) + j - start] = sc;
+                        if (sc > mx[g]) mx[g] = sc;
+                    }
+                }
             }
-            sum = hsum8(sv);
-            for (; j < n; j++) { p[j] = expf(p[j] - mx); sum += p[j]; }
-            float inv = 1.0f / sum;
-            float* o = out + (b * H + h) * D;
-            for (long d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
-            for (long jj = 0; jj < n; jj++) {  /* each value row once, in order */
-                long pos = start + jj;
-                long slot = (long)table[pos / block_size] * block_size + pos % block_size;
-                const float* vv = v_cache + (slot * KVH + kvh) * D;
-                __m256 pj = _mm256_set1_ps(p[jj]);
-                for (long d = 0; d < D; d += 8)
-                    _mm256_storeu_ps(o + d, _mm256_fmadd_ps(pj, _mm256_loadu_ps(vv + d), _mm256_loadu_ps(o + d)));
+            for (long g = 0; g < G; g++) {  /* softmax numerators and sums, per head */
+                float* pg = p + g * (max_ctx + 8);
+                __m256 mv = _mm256_set1_ps(mx[g]), sv = _mm256_setzero_ps();
+                long j = 0;
+                for (; j + 8 <= n; j += 8) {
+                    __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(pg + j), mv));
+                    _mm256_storeu_ps(pg + j, e);
+                    sv = _mm256_add_ps(sv, e);
+                }
+                float sum = hsum8(sv);
+                for (; j < n; j++) { pg[j] = expf(pg[j] - mx[g]); sum += pg[j]; }
+                mx[g] = 1.0f / sum;  /* reused: the normaliser */
             }
-            for (long d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), _mm256_set1_ps(inv)));
+            /* Weighted values, one cache block at a time: the block's value rows (block_size x D)
+             * stay in L1 while every head of the group and every 64-wide slice of D takes its
+             * sum over them in eight register accumulators, added to the output once per block.
+             * (Per position through memory, or head by head over the whole context, this loop
+             * ran 4x slower: a store-to-load chain, or value rows re-read from L3.) */
+            for (long g = 0; g < G; g++) {
+                float* o = out + (b * H + kvh * G + g) * D;
+                for (long d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
+            }
+            for (long pos0 = start; pos0 < ctx;) {
+                long blk = pos0 / block_size, off0 = pos0 - blk * block_size;
+                long stop = (blk + 1) * block_size < ctx ? (blk + 1) * block_size : ctx;
+                const float* vb = v_cache + ((long)table[blk] * block_size * KVH + kvh) * D;
+                for (long g = 0; g < G; g++) {
+                    const float* pg = p + g * (max_ctx + 8) - start;
+                    float* o = out + (b * H + kvh * G + g) * D;
+                    long d0 = 0;
+                    for (; d0 + 64 <= D; d0 += 64) {
+                        float* od = o + d0;
+                        __m256 a0 = _mm256_loadu_ps(od), a1 = _mm256_loadu_ps(od + 8);
+                        __m256 a2 = _mm256_loadu_ps(od + 16), a3 = _mm256_loadu_ps(od + 24);
+                        __m256 a4 = _mm256_loadu_ps(od + 32), a5 = _mm256_loadu_ps(od + 40);
+                        __m256 a6 = _mm256_loadu_ps(od + 48), a7 = _mm256_loadu_ps(od + 56);
+                        for (long pos = pos0, off = off0; pos < stop; pos++, off++) {
+                            const float* vv = vb + off * stride + d0;
+                            __m256 pj = _mm256_set1_ps(pg[pos]);
+                            a0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vv), a0);
+                            a1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vv + 8), a1);
+                            a2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vv + 16), a2);
+                            a3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vv + 24), a3);
+                            a4 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vv + 32), a4);
+                            a5 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vv + 40), a5);
+                            a6 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vv + 48), a6);
+                            a7 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vv + 56), a7);
+                        }
+                        _mm256_storeu_ps(od, a0); _mm256_storeu_ps(od + 8, a1);
+                        _mm256_storeu_ps(od + 16, a2); _mm256_storeu_ps(od + 24, a3);
+                        _mm256_storeu_ps(od + 32, a4); _mm256_storeu_ps(od + 40, a5);
+                        _mm256_storeu_ps(od + 48, a6); _mm256_storeu_ps(od + 56, a7);
+                    }
+                    for (; d0 < D; d0 += 8) {  /* a last slice narrower than 64 (D = 96, 80, ...) */
+                        __m256 a = _mm256_loadu_ps(o + d0);
+                        for (long pos = pos0, off = off0; pos < stop; pos++, off++)
+                            a = _mm256_fmadd_ps(_mm256_set1_ps(pg[pos]), _mm256_loadu_ps(vb + off * stride + d0), a);
+                        _mm256_storeu_ps(o + d0, a);
+                    }
+                }
+                pos0 = stop;
+            }
+            for (long g = 0; g < G; g++) {
+                float* o = out + (b * H + kvh * G + g) * D;
+                __m256 inv = _mm256_set1_ps(mx[g]);
+                for (long d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), inv));
+            }
         }
+        free(mx);
         free(p);
     }
 }
