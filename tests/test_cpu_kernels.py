@@ -174,23 +174,27 @@ def test_the_decode_attention_kernel_matches_the_reference(seed):
     h, kvh, d, bs = rng.choice([(8, 2, 64, 16), (4, 4, 16, 4), (6, 2, 32, 8), (2, 1, 128, 16)])
     window = rng.choice([None, 5, 40])
     ctxs = [rng.randint(1, 70) for _ in range(b)]
+    # Decodes in even seeds; odd seeds add verification-sized chunks (up to 9 new tokens).
+    qlens = [1 if seed % 2 == 0 else rng.randint(1, min(c, 9)) for c in ctxs]
+    t = sum(qlens)
     num_blocks = sum(-(-c // bs) for c in ctxs) + 2
     free = list(range(num_blocks))
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(-(-c // bs))] for c in ctxs]
     cache = torch.randn(2, num_blocks, bs, kvh, d)
-    q, k, v = torch.randn(b, h, d), torch.randn(b, kvh, d), torch.randn(b, kvh, d)
+    q, k, v = torch.randn(t, h, d), torch.randn(t, kvh, d), torch.randn(t, kvh, d)
     backend = CpuDecodeBackend(bs, 8, 64, 256, window, torch.device("cpu"), kernels=KERNELS)
-    meta = backend.build([1] * b, ctxs, tables)
+    meta = backend.build(qlens, ctxs, tables)
     assert isinstance(meta, CpuDecodeMetadata)
     ours, theirs = cache.clone(), cache.clone()
     got = meta.attend(q, k, v, ours, d ** -0.5)
-    ref_meta = build_attention_metadata([1] * b, ctxs, tables, bs, window, torch.device("cpu"))
+    ref_meta = build_attention_metadata(qlens, ctxs, tables, bs, window, torch.device("cpu"))
     want = paged_attention(q, k, v, theirs, ref_meta, d ** -0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(ours, theirs)
-    # A step with a longer query (a prefill chunk) goes to the reference's metadata.
-    assert not isinstance(backend.build([3], [ctxs[0] + 2], [tables[0] + [free[0]]]), CpuDecodeMetadata)
+    # A step with a longer chunk (a prefill) goes to the reference's metadata.
+    long = CpuDecodeBackend.MAX_QUERY_LEN + 1
+    assert not isinstance(backend.build([long], [long], [list(range(-(-long // bs)))]), CpuDecodeMetadata)
 
 
 @needs_kernels

@@ -1,13 +1,14 @@
 """CPU attention: decode steps through the compiled paged decode kernel, the rest through the
 reference.
 
-A step whose sequences all have one new token (plain decodes, the common step at any batch
-size) is attended by ``tailserve_paged_decode_attention`` (model/cpu_kernels/gemv_avx2.c):
-the new K/V written into their slots, then each (sequence, query head) walks its own block
-table, with no gathered copy of the context and no mask. Measured on a 2-core AVX2 machine at
+A step whose sequences have at most ``MAX_QUERY_LEN`` new tokens each (decodes, the common
+step at any batch size, and speculative verification) is attended by
+``tailserve_paged_decode_attention`` (model/cpu_kernels/gemv_avx2.c), one kernel row per new
+token: the new K/V written into their slots, then each row walks its sequence's block table
+up to its own position, with no gathered copy of the context and no mask. Measured on a 2-core AVX2 machine at
 a 200-token context: ~230 us per layer through the reference's gather and SDPA, against a few
-microseconds here (docs/benchmarks.md). Prefill chunks and speculative verification (several
-queries per sequence) use the reference backend's metadata and kernels, unchanged.
+microseconds here (docs/benchmarks.md). Longer prefill chunks use the reference backend's
+metadata and kernels, unchanged.
 
 Float32 caches only, head sizes that are multiples of 8; the worker picks this backend for
 ``--attention-backend auto`` on the CPU when the model is float32 and the kernels build.
@@ -51,18 +52,31 @@ class CpuDecodeBackend(TorchReferenceBackend):
     def handles(head_dim: int, dtype: torch.dtype) -> bool:
         return head_dim % 8 == 0 and head_dim <= 512 and dtype == torch.float32
 
+    # Steps whose sequences have at most this many new tokens each go through the kernel: a
+    # token at position p is one kernel row attending to positions <= p of its sequence (the
+    # step's other new tokens included: every row's K/V is written before any row attends).
+    # That covers decodes and speculative verification (k + 1 tokens); longer prefill chunks
+    # take the reference's SDPA, which shares work across a chunk's queries.
+    MAX_QUERY_LEN = 16
+
     def build(self, query_lens: list[int], context_lens: list[int],
               block_tables: list[list[int]]) -> CpuDecodeMetadata | AttentionMetadata:
-        if any(q != 1 for q in query_lens):
+        if max(query_lens) > self.MAX_QUERY_LEN:
             return super().build(query_lens, context_lens, block_tables)
-        b, bs = len(query_lens), self.block_size
+        bs = self.block_size
+        t = sum(query_lens)
         width = max(-(-c // bs) for c in context_lens)
-        tables = np.zeros((b, width), dtype=np.int32)
-        slots = np.empty(b, dtype=np.int64)
-        for i, (c, table) in enumerate(zip(context_lens, block_tables)):
+        tables = np.zeros((t, width), dtype=np.int32)
+        slots = np.empty(t, dtype=np.int64)
+        lens = np.empty(t, dtype=np.int32)
+        row = 0
+        for q, c, table in zip(query_lens, context_lens, block_tables):
             nb = -(-c // bs)
-            tables[i, :nb] = table[:nb]
-            slots[i] = table[(c - 1) // bs] * bs + (c - 1) % bs
-        return CpuDecodeMetadata(torch.from_numpy(slots), torch.from_numpy(tables),
-                                 torch.tensor(context_lens, dtype=torch.int32), max(context_lens),
-                                 self.sliding_window, self.kernels)
+            blocks = np.asarray(table[:nb], dtype=np.int64)
+            pos = np.arange(c - q, c)
+            tables[row : row + q, :nb] = blocks
+            slots[row : row + q] = blocks[pos // bs] * bs + pos % bs
+            lens[row : row + q] = pos + 1
+            row += q
+        return CpuDecodeMetadata(torch.from_numpy(slots), torch.from_numpy(tables), torch.from_numpy(lens),
+                                 max(context_lens), self.sliding_window, self.kernels)
