@@ -71,6 +71,7 @@ def test_prometheus_exposition_parses_and_matches_engine_counts(preempting_run):
     assert value("tailserve:prefix_cache_queries") == stats.queries_tokens
     assert value("tailserve:prefix_cache_hits") == stats.hits_tokens
     assert value("tailserve:request_success") == len(outs)
+    assert value("tailserve:request_accepted") == len(outs)
     assert value("tailserve:time_to_first_token_seconds", "_count") == len(outs)
     assert value("tailserve:inter_token_latency_seconds", "_count") == sum(o.num_output_tokens - 1 for o in outs)
     assert fams["tailserve:num_requests_running"].samples[0].value == 0

@@ -423,6 +423,8 @@ def test_flood_gets_429_then_accepted_requests_complete(llama_checkpoint):
         assert all(ra == "1" for c, ra, _ in results if c == 429)
         assert all(b["usage"]["completion_tokens"] == 40 for c, _, b in results if c == 200)
         assert s.metric("tailserve:request_success_total") == codes.count(200)
+        assert s.metric("tailserve:request_accepted_total") == codes.count(200)
+        assert s.metric("tailserve:request_rejected_total") == codes.count(429)
     finally:
         s.stop()
 

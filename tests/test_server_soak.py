@@ -2,9 +2,10 @@
 load with client disconnects, stop strings, seeds and bursts above the waiting bound.
 
 Afterwards: every request the server accepted finished (completed, or aborted because its
-client left), the server's finished count equals the accepted count exactly, no request
-is running or waiting, no KV block is held, and the server's resident memory grew by less
-than 150 MiB over the run (after a warm-up).
+client left): the server's finished count equals its accepted count exactly, and that lies
+between the requests the client knows were accepted and those plus the ones it dropped
+before any answer; no request is running or waiting, no KV block is held, and the server's
+resident memory grew by less than 150 MiB over the run (after a warm-up).
 """
 
 from __future__ import annotations
@@ -74,8 +75,10 @@ async def _one(client: httpx.AsyncClient, url: str, rng: random.Random, stats: d
             else:
                 stats[f"http_{r.status_code}"] += 1
     except httpx.TimeoutException:
-        stats["accepted"] += 1  # sent 0.8 s ago: the server has it; it must abort it when we hang up
-        stats["left"] += 1
+        # Dropped before any answer: the server most likely has it (and must abort it when we
+        # hang up), but under a burst its 429, or its reading of the body, can come later than
+        # 0.8 s (CI saw 3 of 711). Only the server's own counters can tell.
+        stats["unanswered"] += 1
 
 
 @pytest.mark.slow
@@ -84,7 +87,8 @@ def test_soak_mixed_load_with_disconnects_leaves_nothing_behind(llama_checkpoint
     flags = ["--model", str(path), "--dtype", "float32", "--kv-cache-memory", "2MiB", "--served-model-name", "soak",
              "--max-num-seqs", "8", "--max-waiting-requests", "8"]
     with LocalServer(flags) as srv:
-        stats: dict[str, int] = {k: 0 for k in ("accepted", "completed", "left", "truncated", "http_429")}
+        stats: dict[str, int] = {k: 0 for k in ("accepted", "completed", "left", "truncated", "http_429",
+                                                  "unanswered")}
         rng = random.Random(7)
 
         async def drive(seconds: float) -> None:
@@ -105,16 +109,18 @@ def test_soak_mixed_load_with_disconnects_leaves_nothing_behind(llama_checkpoint
         base = {k: v for k, v in stats.items()}
         m0 = httpx.get(srv.url + "/metrics").text
         finished_before = _metric(m0, "tailserve:request_success_total")
+        accepted_before = _metric(m0, "tailserve:request_accepted_total")
+        rejected_before = _metric(m0, "tailserve:request_rejected_total")
         asyncio.run(drive(DURATION_S))
-        accepted = stats["accepted"] - base.get("accepted", 0)
         deadline = time.monotonic() + 30
         while True:  # aborts of the last disconnects land within a step or two
             text = httpx.get(srv.url + "/metrics").text
             idle = (_metric(text, "tailserve:num_requests_running") == 0
                     and _metric(text, "tailserve:num_requests_waiting") == 0)
-            # The gauges can read idle a moment before the last finished requests are counted
-            # (seen once: 711 of 713): wait for both, or give up at the deadline and fail below.
-            counted = _metric(text, "tailserve:request_success_total") - finished_before >= accepted
+            # The gauges can read idle a moment before the last finished requests are counted:
+            # wait for both, or give up at the deadline and fail below.
+            counted = (_metric(text, "tailserve:request_success_total") - finished_before
+                       >= _metric(text, "tailserve:request_accepted_total") - accepted_before)
             if (idle and counted) or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
@@ -122,10 +128,15 @@ def test_soak_mixed_load_with_disconnects_leaves_nothing_behind(llama_checkpoint
         assert srv.proc.poll() is None and httpx.get(srv.url + "/health").status_code == 200
 
     run = {k: stats[k] - base.get(k, 0) for k in stats}
-    assert run["accepted"] > 200 and run["http_429"] > 0 and run["left"] > 20, run
+    assert run["accepted"] > 200 and run["http_429"] > 0 and run["left"] + run["unanswered"] > 20, run
     assert run["truncated"] == 0, run  # no accepted stream ended without [DONE] unless we left
     finished = _metric(text, "tailserve:request_success_total") - finished_before
-    assert finished == run["accepted"], (finished, run)
+    server_accepted = _metric(text, "tailserve:request_accepted_total") - accepted_before
+    server_rejected = _metric(text, "tailserve:request_rejected_total") - rejected_before
+    assert finished == server_accepted, (finished, server_accepted, run)  # nothing accepted was lost
+    assert run["accepted"] <= server_accepted <= run["accepted"] + run["unanswered"], (server_accepted, run)
+    assert run["http_429"] <= server_rejected <= run["http_429"] + run["unanswered"], (server_rejected, run)
+    assert server_accepted + server_rejected <= run["accepted"] + run["http_429"] + run["unanswered"]
     assert run["completed"] + run["left"] == run["accepted"]
     assert _metric(text, "tailserve:num_requests_running") == 0 and _metric(text, "tailserve:num_requests_waiting") == 0
     assert _metric(text, "tailserve:kv_cache_usage_perc") == 0.0  # no block held by a live request

@@ -94,6 +94,8 @@ class OutputProcessor:
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_ns: int | None, samples: list[tuple[str, SamplingParams]] | None = None) -> None:
         """Track a request; ``samples`` (engine-core id, params) when it is fanned out."""
+        if arrival_ns is not None and self.prometheus is not None:
+            self.prometheus.observe_accepted()  # the same condition under which its finish is counted
         if not samples:
             self._add_state(request_id, prompt, prompt_token_ids, params, arrival_ns, observe_finish=True)
             return

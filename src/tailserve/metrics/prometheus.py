@@ -107,6 +107,13 @@ class PrometheusMetrics:
                                    registry=r)
         self.success = Counter("tailserve:request_success", "Finished requests by finish reason.",
                                ["model_name", "finished_reason"], registry=r)
+        # accepted - success = requests in flight: a difference that stays above the running and
+        # waiting gauges once the server is idle is a request the engine lost.
+        self.accepted = Counter("tailserve:request_accepted", "Requests the engine accepted (each is counted "
+                                "once more in request_success when it finishes or is aborted).", lab, registry=r)
+        self.rejected = Counter("tailserve:request_rejected", "Requests turned away before the engine had them, "
+                                "by reason (overloaded: HTTP 429 at the waiting bound).",
+                                ["model_name", "reason"], registry=r)
         self.running = Gauge("tailserve:num_requests_running", "Requests in the running batch.", lab, registry=r)
         self.waiting = Gauge("tailserve:num_requests_waiting", "Requests waiting (incl. preempted).", lab, registry=r)
         self.kv_usage = Gauge("tailserve:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", lab,
@@ -164,7 +171,7 @@ class PrometheusMetrics:
             "prefix_queries", "prefix_hits", "generation_tokens", "prompt_tokens", "prompt_len", "gen_len", "ttft",
             "e2el", "queue", "prefill", "decode", "inference", "tpot", "itl", "spec_drafts", "spec_draft_tokens",
             "spec_accepted", "kv_blocks_cached", "kv_internal_frag", "prefix_request_queries", "prefix_request_hits",
-            "prefix_evictions", "kv_blocks_shared", "kv_blocks_saved")}
+            "prefix_evictions", "kv_blocks_shared", "kv_blocks_saved", "accepted")}
         self._last_queries = 0
         self._last_hits = 0
         self._last_kv_counts = (0, 0, 0)
@@ -223,6 +230,12 @@ class PrometheusMetrics:
 
     def observe_tokens(self, n: int) -> None:
         self._c["generation_tokens"].inc(n)
+
+    def observe_accepted(self) -> None:
+        self._c["accepted"].inc()
+
+    def observe_rejected(self, reason: str) -> None:
+        self.rejected.labels(self.model_name, reason).inc()
 
     def observe_finished(self, rm: RequestMetrics) -> None:
         m = self.model_name

@@ -137,6 +137,8 @@ class Server:
         except EngineOverloadedError as e:
             for sub_id, _, _ in subs:
                 self.async_engine.abort(sub_id)
+            if self.engine.prometheus is not None:
+                self.engine.prometheus.observe_rejected("overloaded")
             raise APIError(429, str(e), code="overloaded", headers={"Retry-After": "1"}) from None
         return subs
 
