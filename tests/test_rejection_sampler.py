@@ -33,7 +33,7 @@ def _round(p: torch.Tensor, q: torch.Tensor, k: int, gen: torch.Generator) -> tu
     m, final = rs.rejection_sample_probs(
         p.expand(N, k + 1, V), q.expand(N, k, V), x, torch.full((N,), k), torch.zeros(N, dtype=torch.bool),
         p.argmax(-1).expand(N, k + 1), torch.rand((N, k), generator=gen),
-        torch.empty((N, V)).exponential_(generator=gen))
+        torch.rand((N,), generator=gen, dtype=torch.float64))
     return x, m, final
 
 
@@ -80,7 +80,7 @@ def test_identical_draft_is_always_accepted():
 def test_greedy_rows_accept_by_argmax():
     p = torch.tensor([[0.1, 0.9], [0.8, 0.2], [0.3, 0.7]]).unsqueeze(0)  # (1, 3, 2)
     args = dict(draft_probs=None, num_drafts=torch.tensor([2]), greedy=torch.tensor([True]),
-                target_argmax=p.argmax(-1), uniform=torch.zeros(1, 2), exp_noise=torch.ones(1, 2))
+                target_argmax=p.argmax(-1), uniform=torch.zeros(1, 2), final_uniform=torch.zeros(1))
     m, final = rs.rejection_sample_probs(p, draft_ids=torch.tensor([[1, 0]]), **args)
     assert (m.item(), final.item()) == (2, 1)  # both drafts match the argmax; bonus = argmax at pos 2
     m, final = rs.rejection_sample_probs(p, draft_ids=torch.tensor([[1, 1]]), **args)

@@ -111,7 +111,7 @@ def test_filtered_probs_top_p_min_p():
 
 
 def test_sampling_follows_the_distribution():
-    """Empirical frequencies of the exponential-race sampler match p (fixed seed, 4 sigma)."""
+    """Empirical frequencies of the inverse-CDF sampler match p (fixed seed, 4 sigma)."""
     from tailserve.engine.sampler import Sampler
 
     p = torch.tensor([0.5, 0.3, 0.15, 0.05])
@@ -134,3 +134,47 @@ def test_fast_argmax_equals_torch_argmax_including_ties():
     x[5] = 1.0  # all equal
     assert torch.equal(fast_argmax(x), x.argmax(-1))
     assert torch.equal(fast_argmax(x[:, :1000]), x[:, :1000].argmax(-1))  # not a multiple of 128: fallback
+
+
+def _sorted_reference(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """top-k then top-p by a full descending sort (the definition the partial topk must match)."""
+    logits = logits.float() / st.temperature
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if st.top_k is not None:
+        drop |= torch.arange(logits.shape[-1])[None, :] >= st.top_k[:, None]
+    if st.top_p is not None:
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+        drop |= ((probs.cumsum(-1) - probs) >= st.top_p[:, None]) & (st.top_p < 1.0)[:, None]
+    drop[:, 0] = False
+    return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf"))).softmax(-1)
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 4.0, 20.0])  # flat (nucleus past every topk width) to peaked
+def test_top_k_top_p_from_partial_topk_equal_a_full_sort(scale):
+    g = torch.Generator().manual_seed(int(scale * 100))
+    v = 3000  # not a power of two: the last widening is the whole vocabulary
+    params = [SamplingParams(temperature=0.8, top_p=0.95), SamplingParams(temperature=1.0, top_p=0.5),
+              SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=5),
+              SamplingParams(temperature=1.0, top_k=300, top_p=0.9), SamplingParams(temperature=1.2, top_k=2000),
+              SamplingParams(temperature=1.0, top_p=0.999), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.0, top_k=1, top_p=0.3)]
+    st = SamplingTensors.from_params(params, v, torch.device("cpu"))
+    logits = torch.randn(len(params), v, generator=g) * scale
+    got, want = filtered_probs(logits, st), _sorted_reference(logits, st)
+    assert torch.equal(got > 0, want > 0)  # the same survivors, row by row
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    if scale == 0.05:  # flat: the 0.95 nucleus holds most of the vocabulary, far past the first widths
+        assert int((got[0] > 0).sum()) > 2000
+    assert int((got[3] > 0).sum()) == 5 and int((got[8] > 0).sum()) == 1
+
+
+def test_inverse_cdf_never_draws_a_token_of_probability_zero():
+    from tailserve.engine.sampler import sample_from_probs
+
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0, 2.0], [1.0, 0.0, 0.0, 0.0, 0.0]])
+    edges = torch.tensor([0.0, 0.5, 1.0 - 2 ** -53], dtype=torch.float64)
+    for u in edges:
+        tokens = sample_from_probs(probs, u.expand(3)).tolist()
+        assert tokens[0] in (1, 3) and tokens[1] == 4 and tokens[2] == 0, (u, tokens)
+    assert sample_from_probs(probs, torch.tensor([0.0, 0.0, 0.0], dtype=torch.float64)).tolist() == [1, 4, 0]

@@ -329,3 +329,66 @@ def test_large_draft_stays_in_pytorch_by_default(llama_checkpoint, draft_checkpo
     assert prop.numpy_step is None and prop.model.embed_tokens.dtype == torch.bfloat16
     prop = LLM(str(path), speculative_draft_numpy=True, **kw).engine.proposer
     assert prop.numpy_step is not None and prop.model.embed_tokens.dtype == torch.float32
+
+
+def test_draft_chain_through_the_cpu_decode_kernel_matches_the_reference(llama_checkpoint, draft_checkpoint):
+    """On the CPU with the compiled kernels, a float32 draft's batched chain steps go through
+    the paged decode kernel (``attention_backend`` auto); their logits equal the reference
+    metadata's (``attention_backend`` torch), ragged contexts and two-token catch-ups
+    included, and the catch-up of a row that needs one token fed two (the engine's ragged
+    round: the extra token's K/V is rewritten with the same values)."""
+    from tailserve.attention.cpu_decode import CpuDecodeBackend
+    from tailserve.model.cpu_kernels import kernels
+    from tailserve.speculative.proposer import ProposalInput
+
+    if kernels() is None:
+        pytest.skip("no compiled CPU kernels")
+    path, _ = llama_checkpoint
+    kw = dict(dtype="float32", kv_cache_memory_bytes=4 << 20, speculative_model=str(draft_checkpoint),
+              num_speculative_tokens=4, speculative_draft_numpy=False)
+    fast, ref = LLM(str(path), **kw), LLM(str(path), attention_backend="torch", **kw)
+    assert isinstance(fast.engine.proposer.attn_backend, CpuDecodeBackend) and ref.engine.proposer.attn_backend is None
+    g = torch.Generator().manual_seed(9)
+    seqs = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (21, 40, 7)]
+    tables = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    got = {}
+    for name, llm in (("fast", fast), ("ref", ref)):
+        prop = llm.engine.proposer
+        prop._forward(seqs, [0, 0, 0], tables, [False] * 3)
+        inputs = [ProposalInput(f"r{j}", s, len(s), len(s), t, 4, GREEDY, None)
+                  for j, (s, t) in enumerate(zip(seqs, tables))]
+        chain = prop._chain_slots(inputs)
+        got[name] = [prop._chain_forward(inputs, chain, 0, [t for s in seqs for t in s[-2:]], 2),
+                     prop._chain_forward(inputs, chain, 1, [11, 12, 13]),
+                     prop._chain_forward(inputs[1:], chain, 2, [5, 5]),
+                     prop._chain_forward(inputs[:1], chain, 3, [7]),  # one row: the kernel too, not a step
+                     prop.kv_caches[0].clone()]
+    for a, b in zip(got["fast"], got["ref"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_builtin_bf16_draft_runs_on_compact_weights_and_stays_exact():
+    """The built-in pair (bf16 checkpoints) on the CPU: the draft runs in float32 over its
+    compact bf16 weights through the compiled kernels, not in NumPy; greedy output equals
+    the target's alone at batch 1 and 4, and sampled output keeps a seeded request's tokens
+    whatever shares its batch."""
+    from tailserve.model.cpu_kernels import kernels
+    from tailserve.model.linear import CpuCompactWeightsLinearMethod
+
+    if kernels() is None:
+        pytest.skip("no compiled CPU kernels")
+    spec = LLM(speculative_model="builtin", num_speculative_tokens=3)
+    prop = spec.engine.proposer
+    assert prop.numpy_step is None and prop.model.embed_tokens.dtype == torch.float32
+    assert isinstance(spec.engine.core.worker.draft_linear_method, CpuCompactWeightsLinearMethod)
+    base = LLM()
+    prompts = ["def add(a, b):", "class Stack:\n", "import os\n", "for i in range("]
+    p = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for batch in (prompts[:1], prompts):
+        assert [o.outputs[0].token_ids for o in spec.generate(batch, p)] == \
+            [o.outputs[0].token_ids for o in base.generate(batch, p)]
+    assert spec.engine.spec_stats.num_accepted_tokens > 0
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=30, seed=11, ignore_eos=True)
+    alone = spec.generate(prompts[:1], seeded)[0].outputs[0].token_ids
+    mixed = spec.generate(prompts, [seeded] + [SamplingParams(temperature=1.0, max_tokens=30)] * 3)
+    assert mixed[0].outputs[0].token_ids == alone

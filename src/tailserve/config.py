@@ -106,12 +106,14 @@ class EngineConfig:
     num_speculative_tokens: int | None = None
     speculative_max_tokens: int = 8
     # The draft model's dtype. "auto": float32 when the draft's steps run in NumPy (see
-    # speculative_draft_numpy), else the target's. Any dtype keeps decoding lossless: only
+    # speculative_draft_numpy) or, on the CPU, through the compiled kernels over a bf16/fp16
+    # checkpoint's compact weights; else the target's. Any dtype keeps decoding lossless: only
     # acceptance depends on q.
     speculative_draft_dtype: str = "auto"
     # Run a single sequence's draft-chain steps in NumPy (CPU, float32 draft, no sliding
-    # window; see speculative/numpy_draft.py). None: when possible and the draft is small (up to
-    # NUMPY_DRAFT_MAX_PARAMETERS); True: required; False: off.
+    # window; see speculative/numpy_draft.py). None: when possible, the draft is small (up to
+    # NUMPY_DRAFT_MAX_PARAMETERS) and the compiled kernels cannot take it (they are faster on a
+    # bf16/fp16 draft checkpoint); True: required; False: off.
     speculative_draft_numpy: bool | None = None
     # A request's draft chain stops after a draft whose top-1 minus top-2 probability (in the
     # draft's own q) is below this; 0 = always draft k tokens. None: DEFAULT_DRAFT_STOP_MARGIN

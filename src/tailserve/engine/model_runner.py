@@ -150,7 +150,8 @@ class ModelRunner:
                                 torch.ones(b, dtype=torch.long, device=self.device), self.kv_caches, meta)
             logits = self.model.compute_logits(hidden)
             fast_argmax(logits)
-            st = SamplingTensors.from_params([params] * b, self.arch.vocab_size, self.device)
+            st = SamplingTensors.from_params([params] * b, self.arch.vocab_size, self.device,
+                                             self.sampler.kernels)
             self.sampler.sample(logits, st, [None] * b)
 
     # -- captured decodes ----------------------------------------------------------------------
@@ -262,7 +263,7 @@ class ModelRunner:
             if all(p.greedy for p in plist):
                 tokens = fast_argmax(logits)  # the common all-greedy case: nothing to prepare
             else:
-                st_t = SamplingTensors.from_params(plist, self.arch.vocab_size, self.device)
+                st_t = SamplingTensors.from_params(plist, self.arch.vocab_size, self.device, self.sampler.kernels)
                 gens = [self.generator_for(st.request_id, st.params) for st in sampled]
                 tokens = self.sampler.sample(logits, st_t, gens)
             return [[t] for t in tokens.tolist()], [[i] for i in range(len(sampled))]
@@ -270,7 +271,7 @@ class ModelRunner:
             # Acceptance by argmax equality needs no sampling tensors and no draft q.
             emitted = greedy_rows(logits, num_drafts, drafts)
         else:
-            st_t = SamplingTensors.from_params(plist, self.arch.vocab_size, self.device)
+            st_t = SamplingTensors.from_params(plist, self.arch.vocab_size, self.device, self.sampler.kernels)
             gens = [self.generator_for(st.request_id, st.params) for st in sampled]
             probs = None
             if isinstance(self.proposer, DraftModelProposer | HybridProposer):

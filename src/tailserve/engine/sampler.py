@@ -1,10 +1,16 @@
 """Token sampling for a batch: greedy, temperature, top-k, top-p, min-p, per-request seeds.
 
 Parameters are turned into tensors once per batch on the host; the sampling itself is a
-few tensor ops with no host synchronisation and an all-greedy fast path. Sampling uses the
-exponential race (argmax of p / E with E ~ Exp(1) is a draw from p), which lets a seeded
-request draw its noise from its own generator, so its tokens do not depend on what else
-shares the batch.
+few tensor ops and an all-greedy fast path. A row is drawn by inverting its cumulative
+distribution at one uniform number (``sample_from_probs``), drawn from the request's own
+generator when it is seeded, so its tokens do not depend on what else shares the batch.
+One number per row, not one per vocabulary entry: the exponential race this replaced drew
+V exponentials per row, 0.44 ms for 4 x 4096 on a 2-core CPU, more than the whole
+filtered softmax.
+
+top-k / top-p keep the logits at or above each row's cut-off. On the CPU with the compiled
+kernels the cut-off comes from a quickselect (model/cpu_kernels), not from a sort of the
+whole vocabulary (PyTorch's: 1.1 ms for 4 x 4096 on the same CPU).
 
 ``filtered_probs`` is shared with the speculative-decoding rejection sampler: p and q
 there are exactly the distributions sampled from here.
@@ -13,10 +19,14 @@ there are exactly the distributions sampled from here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tailserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tailserve.model.cpu_kernels import CpuKernels
 
 _ARGMAX_CHUNK = 128
 _PLAIN_ARGMAX_MAX = 24 * 1024
@@ -48,9 +58,11 @@ class SamplingTensors:
     min_p: torch.Tensor | None  # (N,) ; None if no row uses min-p
     greedy: torch.Tensor  # (N,) bool
     all_greedy: bool
+    kernels: CpuKernels | None = None  # the compiled CPU kernels: top-k / top-p cut-offs by quickselect
 
     @classmethod
-    def from_params(cls, params: list[SamplingParams], vocab_size: int, device: torch.device) -> SamplingTensors:
+    def from_params(cls, params: list[SamplingParams], vocab_size: int, device: torch.device,
+                    kernels: CpuKernels | None = None) -> SamplingTensors:
         greedy = [p.greedy for p in params]
         temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
         use_k = any(p.effective_top_k for p in params)
@@ -64,6 +76,7 @@ class SamplingTensors:
             min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device) if use_min_p else None,
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
             all_greedy=all(greedy),
+            kernels=kernels,
         )
 
     def repeat_rows(self, counts: list[int]) -> SamplingTensors:
@@ -77,7 +90,36 @@ class SamplingTensors:
             min_p=None if self.min_p is None else self.min_p[idx],
             greedy=self.greedy[idx],
             all_greedy=self.all_greedy,
+            kernels=self.kernels,
         )
+
+
+def _cutoffs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """(N,) per row the smallest logit that survives top-k then top-p; -inf for a row that
+    filters nothing.
+
+    Keep the top_k largest; of those, in descending order, drop a token once the
+    renormalised mass strictly before it reaches top_p (only rows with top_p < 1: a float32
+    cumulative sum can reach 1.0 before the tail); the most likely token always survives.
+    Tokens tied with the cut-off all survive. On the CPU with the compiled kernels, by
+    quickselect (``CpuKernels.sampling_cutoffs``); elsewhere by one sort, no host sync.
+    """
+    n, v = logits.shape
+    dev = logits.device
+    top_k = st.top_k if st.top_k is not None else torch.full((n,), v, dtype=torch.long, device=dev)
+    top_p = st.top_p if st.top_p is not None else torch.ones(n, device=dev)
+    if st.kernels is not None and dev.type == "cpu" and logits.dtype == torch.float32:
+        return st.kernels.sampling_cutoffs(logits, top_k, top_p)
+    sorted_logits = logits.sort(dim=-1, descending=True).values
+    drop = torch.arange(v, device=dev)[None, :] >= top_k[:, None]
+    if st.top_p is not None:
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+        before = probs.cumsum(-1) - probs
+        drop |= (before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+    drop[:, 0] = False
+    kept = (~drop).sum(-1, keepdim=True)  # a prefix of the descending order
+    cut = sorted_logits.gather(1, kept - 1).squeeze(1)
+    return cut.masked_fill((top_k >= v) & (top_p >= 1.0), float("-inf"))  # rows that filter nothing
 
 
 def filtered_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
@@ -88,18 +130,8 @@ def filtered_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """
     logits = logits.float() / st.temperature
     if st.top_k is not None or st.top_p is not None:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
-        if st.top_k is not None:
-            ranks = torch.arange(logits.shape[-1], device=logits.device)
-            drop |= ranks[None, :] >= st.top_k[:, None]
-        if st.top_p is not None:
-            probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
-            # Drop a token when the mass strictly before it already reaches top_p.
-            before = probs.cumsum(-1) - probs
-            drop |= before >= st.top_p[:, None]
-        drop[:, 0] = False
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        cut = _cutoffs(logits, st)
+        logits = logits.masked_fill(logits < cut[:, None], float("-inf"))
     probs = logits.softmax(-1)
     if st.min_p is not None:
         threshold = st.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
@@ -108,14 +140,24 @@ def filtered_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     return probs
 
 
-def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator | None],
-                      default: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    """Exp(1) noise; row i drawn from generators[i] when it is set (seeded request)."""
-    noise = torch.empty(shape, device=device).exponential_(generator=default)
+def row_uniforms(n: int, generators: list[torch.Generator | None], default: torch.Generator | None,
+                 device: torch.device) -> torch.Tensor:
+    """(n,) U[0, 1), float64; row i drawn from generators[i] when it is set (a seeded
+    request draws exactly one number per sampled token, whatever shares its batch)."""
+    u = torch.rand((n,), generator=default, device=device, dtype=torch.float64)
     for i, g in enumerate(generators):
         if g is not None:
-            noise[i].exponential_(generator=g)
-    return noise
+            u[i] = torch.rand((1,), generator=g, device=device, dtype=torch.float64)[0]
+    return u
+
+
+def sample_from_probs(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """(N, V) probabilities (any positive scale per row), (N,) U[0, 1) -> (N,) token ids:
+    the first token whose cumulative mass exceeds u times the row's total. A token of
+    probability zero is never drawn (its cumulative mass equals its predecessor's)."""
+    cdf = probs.double().cumsum(-1)
+    target = uniform.to(cdf.dtype)[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 class Sampler:
@@ -124,6 +166,7 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.kernels: CpuKernels | None = None  # set by the worker where the compiled CPU kernels run
 
     def sample(self, logits: torch.Tensor, st: SamplingTensors,
                generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -132,8 +175,7 @@ class Sampler:
         if st.all_greedy:
             return greedy_tokens
         probs = filtered_probs(logits, st)
-        noise = exponential_noise(tuple(probs.shape), generators, self.generator, probs.device)
-        sampled = fast_argmax(probs / noise)
+        sampled = sample_from_probs(probs, row_uniforms(len(generators), generators, self.generator, probs.device))
         return torch.where(st.greedy, greedy_tokens, sampled)
 
     @staticmethod

@@ -57,19 +57,25 @@ def plan_draft(config: EngineConfig, device: torch.device, target_dtype: torch.d
         return None
     draft_dir = pathlib.Path(resolve_model_path(config.speculative_model, draft=True))
     arch = load_arch_config(draft_dir)
+    # A bf16/fp16 draft checkpoint on a CPU with the compiled kernels runs in float32 over its
+    # compact weights (model/cpu_kernels), single sequences included: measured on the built-in
+    # pair at batch 1 (docs/benchmarks.md), greedy 352 tok/s against 291 with the NumPy step.
+    compact = (device.type == "cpu" and config.cpu_kernels and arch.dtype in (torch.bfloat16, torch.float16)
+               and config.speculative_draft_dtype in ("auto", "float32") and cpu_kernels.kernels() is not None)
     numpy_step = config.speculative_draft_numpy
     if numpy_step is None:
         # Only small drafts: NumPy reads float32 weights (twice PyTorch's bf16 bytes), which
         # outweighs the per-operation overhead it saves beyond a few million parameters.
         numpy_step = (device.type == "cpu" and config.speculative_draft_dtype in ("auto", "float32")
-                      and arch.sliding_window is None and arch.num_parameters <= NUMPY_DRAFT_MAX_PARAMETERS)
+                      and arch.sliding_window is None and arch.num_parameters <= NUMPY_DRAFT_MAX_PARAMETERS
+                      and not compact)
     elif numpy_step and arch.sliding_window is not None:
         raise ConfigError("speculative_draft_numpy: the NumPy draft step has no sliding window, "
                           "and this draft model uses one")
     if config.speculative_draft_dtype != "auto":
         dtype = parse_dtype(config.speculative_draft_dtype)
     else:
-        dtype = torch.float32 if numpy_step else target_dtype
+        dtype = torch.float32 if numpy_step or compact else target_dtype
     return DraftPlan(draft_dir, arch, dtype, numpy_step)
 
 
@@ -115,7 +121,10 @@ class Worker:
         if self.linear_method.name == "cpu-compact-weights":
             self.dtype_reason += f"; weights kept in {str(arch.dtype).removeprefix('torch.')} as stored " \
                                  "(float32 arithmetic, compiled AVX2 kernels)"
-        # The draft model keeps its own precision and PyTorch's kernels.
+        # The draft model keeps its own precision. On the CPU a float32 draft of a bf16/fp16
+        # checkpoint runs its batched steps of up to 16 rows through the compiled kernels on
+        # compact weights, and keeps the float32 weights for more rows (a draft is small). The
+        # NumPy single-sequence step copies them widened, before the linear method is applied.
         self.draft_linear_method = select_linear_method(self.device, config.cpu_onednn)
         try:
             self.model, self.arch = load_model(self.model_dir, dtype, self.device, max_positions=max_len,
@@ -135,6 +144,11 @@ class Worker:
             # Its linear method is applied once the NumPy step (if any) has copied the plain weights.
             draft_model, _ = load_model(plan.model_dir, plan.dtype, self.device, max_positions=max_len)
             draft_model.set_layer_ops(self._select_layer_ops(plan.dtype))
+            if self.device.type == "cpu" and plan.dtype == torch.float32 \
+                    and plan.arch.dtype in (torch.bfloat16, torch.float16):
+                self.draft_linear_method = select_linear_method(
+                    self.device, config.cpu_onednn, compact_weights=plan.arch.dtype, cpu_kernels=config.cpu_kernels,
+                    keep_float32=True)
             if plan.arch.vocab_size != self.arch.vocab_size:
                 raise ConfigError(f"draft model vocabulary ({plan.arch.vocab_size}) differs from the target's "
                                   f"({self.arch.vocab_size}); speculative decoding needs the same tokenizer")
@@ -165,6 +179,12 @@ class Worker:
         self.runner = ModelRunner(self.model, self.arch, self.kv_caches, config.block_size, self.device, config.seed,
                                   max_model_len=max_len, attn_backend=self.attn_backend)
         self.runner.proposer = self._build_proposer(draft_model)
+        if self.device.type == "cpu" and config.cpu_kernels:
+            # top-k / top-p cut-offs by quickselect, for every model dtype (logits are float32 there).
+            self.runner.sampler.kernels = cpu_kernels.kernels()
+            draft = getattr(self.runner.proposer, "draft", self.runner.proposer)
+            if isinstance(draft, DraftModelProposer):
+                draft.sampling_kernels = self.runner.sampler.kernels
         self.graph_capture_s: float | None = None
         if self.use_decode_graphs:
             self.graph_capture_s = self.capture_decode_graphs(decode_graph_batch_sizes(config.max_num_seqs))
@@ -250,9 +270,18 @@ class Worker:
             # repacks them.
             single_step = make_draft_step(draft_model, plan.arch, draft_caches, self.device, plan.numpy_step)
             draft_model.set_linear_method(self.draft_linear_method)
+            draft_backend = None
+            draft_ops = draft_model.ops
+            if isinstance(draft_ops, KernelLayerOps) and plan.arch.sliding_window is None \
+                    and config.attention_backend == "auto" and CpuDecodeBackend.handles(plan.arch.head_dim, plan.dtype):
+                # The chain's batched steps through the CPU decode kernel, as the target's decodes.
+                draft_backend = CpuDecodeBackend(config.block_size, config.max_num_seqs,
+                                                 config.max_num_batched_tokens, self.max_model_len, None,
+                                                 self.device, kernels=draft_ops.kernels)
             proposer: Proposer = DraftModelProposer(draft_model, plan.arch, draft_caches, config.block_size,
                                                     self.device, self.runner.sampler.generator,
-                                                    stop_margin=config.draft_stop_margin, single_step=single_step)
+                                                    stop_margin=config.draft_stop_margin, single_step=single_step,
+                                                    attn_backend=draft_backend)
             if config.speculative_method == "hybrid":
                 proposer = HybridProposer(proposer, NgramProposer(config.ngram_min, config.ngram_max),
                                           self.arch.vocab_size)

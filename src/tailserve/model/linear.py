@@ -231,10 +231,14 @@ class CpuCompactWeightsLinearMethod(LinearMethod):
     name = "cpu-compact-weights"
     SMALL_BATCH = 16
 
-    def __init__(self, weight_dtype: torch.dtype) -> None:
+    def __init__(self, weight_dtype: torch.dtype, keep_float32: bool = False) -> None:
         from tailserve.model.cpu_kernels import kernels
 
         self.weight_dtype = weight_dtype
+        # Also keep the float32 weight for batches above SMALL_BATCH instead of widening per
+        # call: for a small model whose batched forwards are frequent (a draft model's chain
+        # at batch 16 feeds 32 rows), at the cost of the float32 bytes as well.
+        self.keep_float32 = keep_float32
         self.kernels = kernels()
         if self.kernels is None:
             raise RuntimeError("the compiled CPU kernels are unavailable")
@@ -248,7 +252,8 @@ class CpuCompactWeightsLinearMethod(LinearMethod):
             layer.method.process_weights_after_loading(layer)
             return
         layer.qweight = w
-        layer.weight = nn.Parameter(torch.empty(w.shape, dtype=torch.float32, device="meta"), requires_grad=False)
+        if not self.keep_float32:
+            layer.weight = nn.Parameter(torch.empty(w.shape, dtype=torch.float32, device="meta"), requires_grad=False)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -258,7 +263,7 @@ class CpuCompactWeightsLinearMethod(LinearMethod):
             if layer.bias is not None:
                 y += layer.bias
         else:
-            y = F.linear(x2, layer.qweight.float(), layer.bias)
+            y = F.linear(x2, layer.weight if self.keep_float32 else layer.qweight.float(), layer.bias)
         return y.view(*shape[:-1], y.shape[-1])
 
 
@@ -266,10 +271,12 @@ QUANTIZATIONS = ("int8",)
 
 
 def select_linear_method(device: torch.device, cpu_onednn: bool, quantization: str | None = None,
-                         compact_weights: torch.dtype | None = None, cpu_kernels: bool = True) -> LinearMethod:
+                         compact_weights: torch.dtype | None = None, cpu_kernels: bool = True,
+                         keep_float32: bool = False) -> LinearMethod:
     """The method for every linear layer of a model on ``device``. ``compact_weights``: a
     float32 model on the CPU whose checkpoint stores bf16/fp16 keeps its weights in that dtype
-    (CpuCompactWeightsLinearMethod) when the compiled kernels run here."""
+    (CpuCompactWeightsLinearMethod) when the compiled kernels run here; ``keep_float32``: and
+    keeps the float32 weights too, for its larger batches."""
     if quantization == "int8":
         return Int8WeightOnlyLinearMethod(device, cpu_kernels)
     if quantization is not None:
@@ -278,7 +285,7 @@ def select_linear_method(device: torch.device, cpu_onednn: bool, quantization: s
         from tailserve.model.cpu_kernels import kernels
 
         if kernels() is not None:
-            return CpuCompactWeightsLinearMethod(compact_weights)
+            return CpuCompactWeightsLinearMethod(compact_weights, keep_float32)
     if device.type == "cpu" and cpu_onednn and onednn_available():
         return OneDNNPackedLinearMethod()
     return PLAIN

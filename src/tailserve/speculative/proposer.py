@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tailserve.attention.backend import AttentionBackend
 from tailserve.attention.reference import build_attention_metadata, decode_metadata
-from tailserve.engine.sampler import SamplingTensors, exponential_noise, fast_argmax, filtered_probs
+from tailserve.engine.sampler import SamplingTensors, fast_argmax, filtered_probs, row_uniforms, sample_from_probs
 from tailserve.model.config import ModelArchConfig
 from tailserve.model.llama import LlamaFamilyModel
 from tailserve.sampling_params import SamplingParams
@@ -112,9 +113,14 @@ class DraftModelProposer:
 
     def __init__(self, model: LlamaFamilyModel, arch: ModelArchConfig, kv_caches: list[torch.Tensor],
                  block_size: int, device: torch.device, generator: torch.Generator,
-                 stop_margin: float = 0.0, single_step: DraftStep | None = None) -> None:
+                 stop_margin: float = 0.0, single_step: DraftStep | None = None,
+                 attn_backend: AttentionBackend | None = None) -> None:
         self.model, self.arch, self.kv_caches = model, arch, kv_caches
+        # A backend for the batched forwards (the CPU's decode kernel); None: the reference's
+        # metadata, and for the chain the slot tables computed once per round.
+        self.attn_backend = attn_backend
         self.block_size, self.device, self.generator = block_size, device, generator
+        self.sampling_kernels = None  # model.cpu_kernels.CpuKernels, set by the worker on the CPU
         self.stop_margin = stop_margin
         # A single sequence's chain steps (see draft_step.py): PyTorch, or NumPy on the CPU.
         self.single_step: DraftStep = single_step or TorchDraftStep(model, kv_caches, device)
@@ -141,12 +147,15 @@ class DraftModelProposer:
         # 1. Catch-up forward: every request's unseen tokens; sample the first draft of the
         #    requests whose sequence ends here (num_valid == all tokens) and that want k >= 1.
         chain = None
-        q = catch_up[0].num_valid - catch_up[0].num_seen
+        q = max(i.num_valid - i.num_seen for i in catch_up)
         steady = q <= _CHAIN_MAX_CATCH_UP and all(
-            i.num_valid - i.num_seen == q and i.k > 0 and i.num_valid == len(i.all_token_ids) for i in catch_up)
+            i.k > 0 and i.num_valid == len(i.all_token_ids) >= q for i in catch_up)
         if steady:
-            # The usual catch-ups, all rows alike: one token after a rejection, two (the last
-            # draft and the bonus) after a fully accepted round.
+            # The usual catch-ups: one token after a rejection, two (the last draft and the
+            # bonus) after a fully accepted round. Rows that need fewer than the longest are
+            # fed their last q tokens all the same: the extra ones were seen already, and
+            # recomputing them rewrites their K/V slots with the same values (same tokens,
+            # positions and context). One batched chain forward instead of the general path.
             chain = self._chain_slots(catch_up)
             logits = self._chain_forward(catch_up, chain, 0, [t for i in catch_up for t in i.all_token_ids[-q:]], q)
         else:
@@ -221,22 +230,25 @@ class DraftModelProposer:
                                  sample_last=[True] * len(active))
         width = max(ctx)
         c0 = step + _CHAIN_MAX_CATCH_UP - query_len  # rotary column of each row's first token
-        if len(sel) == 1:
+        if len(sel) == 1 and (self.attn_backend is None or self.numpy_step is not None):
             r = sel[0]
             return self.single_step.forward(tokens, chain.table[r, : ctx[0]], chain.cos[r, c0 : c0 + query_len, None],
                                             chain.sin[r, c0 : c0 + query_len, None])
         rows = None if len(sel) == len(chain.row_of) else torch.tensor(sel, device=self.device)
-        table = chain.table if rows is None else chain.table[rows]
-        kv_slots = table[:, :width]
-        positions = torch.tensor([c - query_len + j for c in ctx for j in range(query_len)], dtype=torch.long,
-                                 device=self.device)
-        slot_mapping = kv_slots.gather(1, positions.view(len(sel), query_len)).view(-1)
         cos_t, sin_t = (chain.cos, chain.sin) if rows is None else (chain.cos[rows], chain.sin[rows])
         cos = cos_t[:, c0 : c0 + query_len].reshape(-1, 1, cos_t.shape[-1])  # (B*Q, 1, D)
         sin = sin_t[:, c0 : c0 + query_len].reshape(-1, 1, sin_t.shape[-1])
-        uniform = all(c == width for c in ctx)
-        meta = decode_metadata(slot_mapping, kv_slots,
-                               None if uniform else torch.tensor(ctx, dtype=torch.long, device=self.device), query_len)
+        if self.attn_backend is not None:
+            meta = self.attn_backend.build([query_len] * len(active), ctx, [i.block_ids for i in active])
+        else:
+            table = chain.table if rows is None else chain.table[rows]
+            kv_slots = table[:, :width]
+            positions = torch.tensor([c - query_len + j for c in ctx for j in range(query_len)], dtype=torch.long,
+                                     device=self.device)
+            slot_mapping = kv_slots.gather(1, positions.view(len(sel), query_len)).view(-1)
+            uniform = all(c == width for c in ctx)
+            meta = decode_metadata(slot_mapping, kv_slots, None if uniform else
+                                   torch.tensor(ctx, dtype=torch.long, device=self.device), query_len)
         # Positions only select rotary rows, which this round already looked up.
         hidden = self.model.forward(torch.tensor(tokens, device=self.device), None, self.kv_caches, meta,
                                     rope=(cos, sin))
@@ -254,7 +266,11 @@ class DraftModelProposer:
             ctx.append(start + len(toks))
             if want:
                 rows.append(len(ids) - 1)
-        meta = build_attention_metadata(qlens, ctx, tables, self.block_size, self.arch.sliding_window, self.device)
+        if self.attn_backend is not None:
+            meta = self.attn_backend.build(qlens, ctx, tables)
+        else:
+            meta = build_attention_metadata(qlens, ctx, tables, self.block_size, self.arch.sliding_window,
+                                            self.device)
         hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device),
                             self.kv_caches, meta)
         if not rows:
@@ -284,11 +300,12 @@ class DraftModelProposer:
                 if margin < self.stop_margin:
                     stopped.add(i.request_id)
             return
-        st = SamplingTensors.from_params([i.params for i in active], logits.shape[-1], self.device)
+        st = SamplingTensors.from_params([i.params for i in active], logits.shape[-1], self.device,
+                                        self.sampling_kernels)
         q = filtered_probs(logits, st)  # (N, V)
         greedy_tok = fast_argmax(logits)
-        noise = exponential_noise(tuple(q.shape), [i.generator for i in active], self.generator, self.device)
-        tokens = torch.where(st.greedy, greedy_tok, fast_argmax(q / noise)).tolist()
+        u = row_uniforms(len(active), [i.generator for i in active], self.generator, self.device)
+        tokens = torch.where(st.greedy, greedy_tok, sample_from_probs(q, u)).tolist()
         if stop:
             # Greedy rows' q is the plain softmax: the same margin as the all-greedy path.
             top = q.topk(2, dim=-1).values

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from tailserve.engine.sampler import SamplingTensors, fast_argmax, filtered_probs
+from tailserve.engine.sampler import SamplingTensors, fast_argmax, filtered_probs, sample_from_probs
 
 
 def acceptance_probability(px: torch.Tensor, qx: torch.Tensor) -> torch.Tensor:
@@ -37,7 +37,7 @@ def rejection_sample_probs(
     greedy: torch.Tensor,  # (B,) bool
     target_argmax: torch.Tensor,  # (B, K+1) long, argmax of the target's raw logits
     uniform: torch.Tensor,  # (B, K) U[0, 1)
-    exp_noise: torch.Tensor,  # (B, V) Exp(1), for the final token
+    final_uniform: torch.Tensor,  # (B,) U[0, 1), for the final token
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (num_accepted (B,), final_token (B,)): request b emits
     draft_ids[b, :num_accepted[b]] followed by final_token[b]."""
@@ -69,7 +69,7 @@ def rejection_sample_probs(
         # rejection had probability zero), so fall back to p.
         residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_final)
         p_final = torch.where(rejected[:, None], residual, p_final)
-    sampled = fast_argmax(p_final / exp_noise)
+    sampled = sample_from_probs(p_final, final_uniform)
     greedy_final = target_argmax[rows, num_accepted]
     final = torch.where(greedy, greedy_final, sampled)
     return num_accepted, final
@@ -112,16 +112,16 @@ class RejectionSampler:
                 if dp is not None and dp.shape[0]:
                     q[i, : dp.shape[0]] = dp
         uniform = torch.rand((bsz, kmax), generator=self.generator, device=device)
-        noise = torch.empty((bsz, v), device=device).exponential_(generator=self.generator)
+        final_u = torch.rand((bsz,), generator=self.generator, device=device, dtype=torch.float64)
         for i, g in enumerate(generators):
             if g is not None:
-                # Exactly this request's k uniforms, not the batch's maximum: what a seeded
+                # Exactly this request's k + 1 uniforms, not the batch's maximum: what a seeded
                 # request draws must not depend on what shares its batch.
                 if num_drafts[i]:
                     uniform[i, : num_drafts[i]] = torch.rand((num_drafts[i],), generator=g, device=device)
-                noise[i].exponential_(generator=g)
+                final_u[i] = torch.rand((1,), generator=g, device=device, dtype=torch.float64)[0]
         target_probs = filtered_probs(target_logits, st.repeat_rows(counts))[row_idx]  # (B, K+1, V)
-        num_acc, final = rejection_sample_probs(target_probs, q, ids, nd, st.greedy, argmax, uniform, noise)
+        num_acc, final = rejection_sample_probs(target_probs, q, ids, nd, st.greedy, argmax, uniform, final_u)
         out = []
         for i, (m, f) in enumerate(zip(num_acc.tolist(), final.tolist())):
             out.append([*draft_ids[i][:m], f])

@@ -61,6 +61,23 @@ class CpuKernels:
         self._attn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] + [ctypes.c_void_p] * 3 \
             + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_long, ctypes.c_long, ctypes.c_int]
         self._attn.restype = None
+        self._cutoffs = lib.tailserve_sampling_cutoffs
+        self._cutoffs.argtypes = [ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int]
+        self._cutoffs.restype = None
+
+    def sampling_cutoffs(self, logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+        """Per row of float32 logits (N, V): the smallest logit that survives top-k (int64
+        (N,), V or more: off) then top-p (float32 (N,), 1: off); -inf where nothing is cut.
+        The semantics of ``engine.sampler.filtered_probs``, by quickselect instead of a sort."""
+        if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+            raise ValueError("sampling_cutoffs takes float32 (N, V) logits with unit stride on V")
+        n, v = logits.shape
+        top_k = top_k.to(torch.int64).contiguous()
+        top_p = top_p.to(torch.float32).contiguous()
+        out = torch.empty(n, dtype=torch.float32)
+        self._cutoffs(logits.data_ptr(), n, v, logits.stride(0), top_k.data_ptr(), top_p.data_ptr(), out.data_ptr(),
+                      torch.get_num_threads())
+        return out
 
     def paged_decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor, scale: float,

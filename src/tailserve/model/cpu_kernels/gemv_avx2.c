@@ -312,3 +312,188 @@ void tailserve_paged_decode_attention(const float* q, const float* k_new, const 
 }
 
 int tailserve_kernels_abi(void) { return 3; }
+
+/* ---- Sampling: each row's top-k / top-p cut-off logit, without sorting the vocabulary ----
+ *
+ * Row r keeps the logits >= out[r]. top-k: the k-th largest logit (tokens tied with it all
+ * stay). top-p on the top-k survivors: in descending order, a token stays while the mass
+ * strictly before it is below top_p of the survivors' total; the cut-off is the last one
+ * kept (ties with it stay). Both are found by three-way quickselect, expected O(V) per row,
+ * where PyTorch's sort took 1.1 ms for 4 x 4096 on a 2-core AVX2 machine. out = -inf when the
+ * row filters nothing (top_k >= V and top_p >= 1). Masses are summed in double. */
+
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+static inline void swap2(float* a, float* w, long i, long j) {
+    float t = a[i]; a[i] = a[j]; a[j] = t;
+    if (w) { t = w[i]; w[i] = w[j]; w[j] = t; }
+}
+
+static inline float median3(float x, float y, float z) {
+    if (x > y) { float t = x; x = y; y = t; }
+    if (y > z) { y = z; }
+    return x > y ? x : y;
+}
+
+/* Partition a[lo:hi] (and w alongside) into > pivot | == pivot | < pivot; returns the
+ * bounds of the middle part in *lt, *gt and the weight of the first part in *mg. */
+static void partition3(float* a, float* w, long lo, long hi, float pivot, long* lt_out, long* gt_out,
+                       double* mg, double* me) {
+    long lt = lo, i = lo, gt = hi;
+    while (i < gt) {
+        if (a[i] > pivot) swap2(a, w, lt++, i++);
+        else if (a[i] < pivot) swap2(a, w, i, --gt);
+        else i++;
+    }
+    double g = 0.0, e = 0.0;
+    if (w) {
+        for (long j = lo; j < lt; j++) g += w[j];
+        for (long j = lt; j < gt; j++) e += w[j];
+    }
+    *lt_out = lt; *gt_out = gt; *mg = g; *me = e;
+}
+
+/* The k-th largest of a[0:n] (1 <= k <= n); a is permuted. */
+static float kth_largest(float* a, long n, long k) {
+    long lo = 0, hi = n;
+    while (hi - lo > 1) {
+        float pivot = median3(a[lo], a[lo + (hi - lo) / 2], a[hi - 1]);
+        long lt, gt; double mg, me;
+        partition3(a, NULL, lo, hi, pivot, &lt, &gt, &mg, &me);
+        long g = lt - lo, e = gt - lt;
+        if (k <= g) hi = lt;
+        else if (k <= g + e) return pivot;
+        else { k -= g + e; lo = gt; }
+    }
+    return a[lo];
+}
+
+/* The last value kept when taking a[0:n] in descending order until the mass (w) reaches
+ * target; a and w are permuted. top: the largest value (kept whatever the target). */
+static float mass_cutoff(float* a, float* w, long n, double target, float top) {
+    if (target <= 0.0) return top;
+    long lo = 0, hi = n;
+    float last = top;
+    while (hi > lo) {
+        float pivot = median3(a[lo], a[lo + (hi - lo) / 2], a[hi - 1]);
+        long lt, gt; double mg, me;
+        partition3(a, w, lo, hi, pivot, &lt, &gt, &mg, &me);
+        if (mg >= target) hi = lt;               /* the cut lies among the larger values */
+        else if (mg + me >= target) return pivot;
+        else { target -= mg + me; last = pivot; lo = gt; }
+    }
+    return last;  /* rounding: the mass ran out first; everything down to the last pivot stays */
+}
+
+/* Candidates first: one vectorised pass counts (top-k) or weighs (top-p) the logits within a
+ * few distances of the largest, and the quickselect runs only on the nearest group that is
+ * sure to hold the cut-off (a few dozen tokens for a peaked distribution, all of them for a
+ * flat one). */
+#define NBAND 4
+static const float K_BANDS[NBAND] = {2.0f, 4.0f, 8.0f, 16.0f};  /* logit distance from the top */
+static const float P_BANDS[NBAND] = {1e-2f, 1e-4f, 1e-6f, 1e-9f};  /* weight relative to the top */
+
+void tailserve_sampling_cutoffs(const float* logits, long N, long V, long stride, const int64_t* top_k,
+                                const float* top_p, float* out, int threads) {
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if(N > 4)")
+    for (long r = 0; r < N; r++) {
+        const float* x = logits + r * stride;
+        long k = top_k[r] < V ? (long)top_k[r] : V;
+        float p = top_p[r];
+        if (k >= V && !(p < 1.0f)) { out[r] = -INFINITY; continue; }
+        if (k < 1) k = 1;
+        __m256 tv = _mm256_set1_ps(-INFINITY);
+        long i = 0;
+        for (; i + 8 <= V; i += 8) tv = _mm256_max_ps(tv, _mm256_loadu_ps(x + i));
+        float top = hmax8(tv);
+        for (; i < V; i++) top = x[i] > top ? x[i] : top;
+        float* a = (float*)malloc(sizeof(float) * V * 2);
+        float* w = a + V;
+        float cut = -INFINITY;
+        if (k < V) {
+            long cnt[NBAND] = {0};
+            __m256i cv[NBAND];
+            __m256 lv[NBAND];
+            for (int b = 0; b < NBAND; b++) { cv[b] = _mm256_setzero_si256(); lv[b] = _mm256_set1_ps(top - K_BANDS[b]); }
+            long j = 0;
+            for (; j + 8 <= V; j += 8) {
+                __m256 xv = _mm256_loadu_ps(x + j);
+                for (int b = 0; b < NBAND; b++)  /* a true compare is all ones: -1 */
+                    cv[b] = _mm256_sub_epi32(cv[b], _mm256_castps_si256(_mm256_cmp_ps(xv, lv[b], _CMP_GE_OQ)));
+            }
+            for (int b = 0; b < NBAND; b++) {
+                int32_t lanes[8];
+                _mm256_storeu_si256((__m256i*)lanes, cv[b]);
+                for (int l = 0; l < 8; l++) cnt[b] += lanes[l];
+            }
+            for (; j < V; j++)
+                for (int b = 0; b < NBAND; b++) cnt[b] += x[j] >= top - K_BANDS[b];
+            float lo = -INFINITY;
+            for (int b = 0; b < NBAND; b++)
+                if (cnt[b] >= k) { lo = top - K_BANDS[b]; break; }
+            long n = 0;
+            for (long j = 0; j < V; j++)
+                if (x[j] >= lo) a[n++] = x[j];
+            cut = kth_largest(a, n, k);
+        }
+        if (p < 1.0f) {
+            /* weights of the top-k survivors, and their mass above each band */
+            long n = 0;
+            for (long j = 0; j < V; j++)
+                if (x[j] >= cut) a[n++] = x[j];
+            __m256 mv = _mm256_set1_ps(top), ninf = _mm256_set1_ps(-INFINITY);
+            long j = 0;
+            for (; j + 8 <= n; j += 8) {
+                __m256 xv = _mm256_loadu_ps(a + j);
+                __m256 e = exp256(_mm256_sub_ps(xv, mv));
+                e = _mm256_and_ps(e, _mm256_cmp_ps(xv, ninf, _CMP_GT_OQ));  /* -inf logits weigh 0 */
+                _mm256_storeu_ps(w + j, e);
+            }
+            for (; j < n; j++) w[j] = a[j] == -INFINITY ? 0.0f : expf(a[j] - top);
+            /* float lanes, summed in double at the end: the sums only choose the band, and
+             * the torch path's float32 softmax has the same rounding. */
+            __m256 tacc = _mm256_setzero_ps(), bacc[NBAND], bthr[NBAND];
+            for (int b = 0; b < NBAND; b++) { bacc[b] = _mm256_setzero_ps(); bthr[b] = _mm256_set1_ps(P_BANDS[b]); }
+            for (j = 0; j + 8 <= n; j += 8) {
+                __m256 wv = _mm256_loadu_ps(w + j);
+                tacc = _mm256_add_ps(tacc, wv);
+                for (int b = 0; b < NBAND; b++)
+                    bacc[b] = _mm256_add_ps(bacc[b], _mm256_and_ps(wv, _mm256_cmp_ps(wv, bthr[b], _CMP_GE_OQ)));
+            }
+            double total = 0.0, band[NBAND] = {0.0};
+            {
+                float lanes[8];
+                _mm256_storeu_ps(lanes, tacc);
+                for (int l = 0; l < 8; l++) total += lanes[l];
+                for (int b = 0; b < NBAND; b++) {
+                    _mm256_storeu_ps(lanes, bacc[b]);
+                    for (int l = 0; l < 8; l++) band[b] += lanes[l];
+                }
+            }
+            for (; j < n; j++) {
+                total += w[j];
+                for (int b = 0; b < NBAND; b++) band[b] += w[j] >= P_BANDS[b] ? w[j] : 0.0f;
+            }
+            double target = (double)p * total;
+            float floor_w = 0.0f;
+            for (int b = 0; b < NBAND; b++)
+                if (band[b] >= target) { floor_w = P_BANDS[b]; break; }
+            long m = 0;
+            if (floor_w > 0.0f) {
+                for (j = 0; j < n; j++)
+                    if (w[j] >= floor_w) { a[m] = a[j]; w[m] = w[j]; m++; }
+            } else {
+                m = n;
+            }
+            float c = mass_cutoff(a, w, m, target, top);
+            cut = c > cut ? c : cut;
+        }
+        out[r] = cut;
+        free(a);
+    }
+}

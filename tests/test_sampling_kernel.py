@@ -1,0 +1,59 @@
+"""The compiled top-k / top-p cut-offs (quickselect) against the sort that defines them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tailserve import SamplingParams
+from tailserve.engine.sampler import SamplingTensors, _cutoffs, filtered_probs
+from tailserve.model.cpu_kernels import kernels, unavailable_reason
+
+K = kernels()
+pytestmark = pytest.mark.skipif(K is None, reason=f"no compiled CPU kernels: {unavailable_reason()}")
+
+PARAMS = [SamplingParams(temperature=0.8, top_p=0.95), SamplingParams(temperature=1.0, top_p=0.5),
+          SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=5),
+          SamplingParams(temperature=1.0, top_k=300, top_p=0.9), SamplingParams(temperature=1.2, top_k=2000),
+          SamplingParams(temperature=1.0, top_p=0.999), SamplingParams(temperature=0.0),
+          SamplingParams(temperature=1.0, top_k=1, top_p=0.3), SamplingParams(temperature=1.0, top_p=1e-6)]
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 4.0, 20.0])
+@pytest.mark.parametrize("v", [3000, 4096, 33])
+def test_quickselect_cutoffs_equal_the_sort(scale, v):
+    g = torch.Generator().manual_seed(int(scale * 100) + v)
+    params = [p for p in PARAMS if (p.top_k or 0) < v] or PARAMS[:3]
+    logits = torch.randn(len(params), v, generator=g) * scale
+    with_k = SamplingTensors.from_params(params, v, torch.device("cpu"), kernels=K)
+    plain = SamplingTensors.from_params(params, v, torch.device("cpu"))
+    scaled = logits / with_k.temperature
+    assert torch.equal(_cutoffs(scaled, with_k), _cutoffs(scaled, plain))
+    assert torch.equal(filtered_probs(logits, with_k), filtered_probs(logits, plain))
+
+
+def test_ties_and_masked_tokens():
+    # Ties at the cut-off all stay; -inf logits (a logits processor's bans) never count.
+    logits = torch.tensor([[2.0, 1.0, 1.0, 1.0, 0.0, float("-inf")],
+                           [float("-inf"), 3.0, float("-inf"), 3.0, 1.0, 1.0],
+                           [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    for p in (SamplingParams(top_k=2), SamplingParams(top_p=0.5), SamplingParams(top_p=0.9, top_k=4),
+              SamplingParams(top_p=0.3)):
+        st_k = SamplingTensors.from_params([p] * 3, 6, torch.device("cpu"), kernels=K)
+        st = SamplingTensors.from_params([p] * 3, 6, torch.device("cpu"))
+        assert torch.equal(_cutoffs(logits, st_k), _cutoffs(logits, st)), p
+    st = SamplingTensors.from_params([SamplingParams(top_k=2)] * 3, 6, torch.device("cpu"), kernels=K)
+    assert _cutoffs(logits, st).tolist() == [1.0, 3.0, 0.0]  # row 0: three tokens tied at 1.0 stay
+
+
+def test_an_engine_on_the_cpu_uses_the_kernel():
+    from tailserve import LLM
+
+    llm = LLM(dtype="float32")
+    assert llm.engine.core.worker.runner.sampler.kernels is K
+    off = LLM(dtype="float32", cpu_kernels=False)
+    assert off.engine.core.worker.runner.sampler.kernels is None
+    p = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, max_tokens=24, seed=3)
+    # The same cut-offs, so the same seeded tokens.
+    with_kernel, without = (e.generate(["def f(x):"], p)[0].outputs[0].token_ids for e in (llm, off))
+    assert with_kernel == without
