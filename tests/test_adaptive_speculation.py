@@ -87,3 +87,56 @@ def test_forgetting_survives_a_long_run():
         ctl.observe_round(3, 3, cap=3)  # ... then always right
     tokens, drafts = ctl.round_figures(3)
     assert tokens == pytest.approx(4.0, abs=0.02) and drafts == pytest.approx(3.0)
+
+
+def _steady(ctl, b, k, tokens, seconds, steps=4):
+    """Feed ``steps`` steady steps at batch b with k (forcing the choice) and their throughput."""
+    for _ in range(steps):
+        ctl._set(k, b)
+        ctl.observe_throughput(tokens, seconds)
+
+
+def test_measured_throughput_overrides_the_cost_model():
+    """The model says speculate (verification looks free); measured steps in the same batch
+    bucket say k=4 delivered less than off: the controller turns speculation off there, and
+    only there. The reverse too: the model says off, measured on beats off."""
+    ctl = AdaptiveSpeculation(k_max=6, explore_every=10**9)
+    for _ in range(40):
+        ctl.observe_round(4, 4, cap=6)
+    _feed_costs(ctl, (3e-3, 1e-7), (5e-4, 1e-7))
+    k = ctl.choose_k(16)
+    assert k >= 4
+    _steady(ctl, 16, k, tokens=16 * 3, seconds=0.030)  # 1600 tok/s speculating
+    _steady(ctl, 16, 0, tokens=16, seconds=0.008)  # 2000 tok/s off
+    assert ctl.measured_rate(16, 0) == pytest.approx(2000) and ctl.measured_rate(9, k) == pytest.approx(1600)
+    assert ctl.choose_k(16) == 0 and ctl.choose_k(12) == 0  # the same bucket (9-16)
+    assert ctl.choose_k(1) >= 4  # nothing measured at batch 1: the model decides
+    # A step whose k differs from the previous step's is not steady: not counted.
+    ctl._set(2, 16)
+    ctl._set(0, 16)
+    before = ctl.rates[(ctl.bucket(16), 0)]
+    ctl.observe_throughput(1, 1.0)
+    assert ctl.rates[(ctl.bucket(16), 0)] == before
+
+    ctl2 = AdaptiveSpeculation(k_max=6, explore_every=10**9)
+    for _ in range(40):
+        ctl2.observe_round(1, 4, cap=6)
+    _feed_costs(ctl2, (3e-3, 1e-3), (5e-4, 1e-5))
+    assert ctl2.choose_k(64) == 0
+    _, best_pos = ctl2._model_choice(64)
+    _steady(ctl2, 64, 0, tokens=64, seconds=0.1)
+    _steady(ctl2, 64, best_pos, tokens=100, seconds=0.1)
+    assert ctl2.choose_k(64) == best_pos
+
+
+def test_explorations_take_turns_and_last_several_steps():
+    ctl = AdaptiveSpeculation(k_max=6, explore_every=5, explore_len=3)
+    for _ in range(40):
+        ctl.observe_round(4, 4, cap=6)
+    _feed_costs(ctl, (3e-3, 1e-7), (5e-4, 1e-7))
+    ks = [ctl.choose_k(1) for _ in range(40)]
+    model_k = ctl._model_choice(1)[0]
+    assert model_k >= 4
+    # An exploration of speculation off, three steps long.
+    assert any(ks[i:i + 3] == [0, 0, 0] for i in range(len(ks) - 2))
+    assert ks.count(model_k) > len(ks) // 2

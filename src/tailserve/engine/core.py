@@ -44,6 +44,7 @@ class _StepTiming:
     num_tokens: int
     target_forward_s: float
     decode_only: bool
+    num_emitted: int = 0
 
 
 class EngineCore:
@@ -128,7 +129,8 @@ class EngineCore:
         outputs = self.scheduler.update(sched, result)
         self.num_steps += 1
         self._pending_timing = _StepTiming(t0, sched.num_scheduled_tokens, result.target_forward_s,
-                                           not any(s.is_prefill for s in sched.scheduled))
+                                           not any(s.is_prefill for s in sched.scheduled),
+                                           sum(len(o.new_token_ids) for o in outputs))
         self._record_step(sched, time.perf_counter_ns() - t0, self.scheduler.num_preemptions - preempted_before)
         return outputs
 
@@ -150,6 +152,7 @@ class EngineCore:
         total_s = (end_ns - timing.started_ns) * 1e-9
         spec.observe_step(timing.num_tokens, timing.target_forward_s,
                           max(total_s - timing.target_forward_s - self._last_draft_s(), 0.0))
+        spec.observe_throughput(timing.num_emitted, total_s)
 
     def _last_draft_s(self) -> float:
         return self.worker.runner.last_propose_s
