@@ -17,11 +17,13 @@ needs_kernels = pytest.mark.skipif(KERNELS is None, reason=f"compiled CPU kernel
 
 @needs_kernels
 @pytest.mark.parametrize("fmt", [torch.bfloat16, torch.float16, torch.int8])
-@pytest.mark.parametrize("m, n, k", [(1, 1, 8), (1, 67, 64), (2, 5, 520), (3, 64, 64), (16, 130, 136), (17, 9, 8)])
+@pytest.mark.parametrize("m, n, k", [(1, 1, 8), (1, 67, 64), (2, 5, 520), (3, 64, 64), (16, 130, 136), (17, 9, 8),
+                                     (5, 7, 24), (8, 4, 16)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_each_format_computes_the_widened_product(fmt, m, n, k, threads):
-    """Every row count (the 2-row blocking and its remainder), every column count (4-row
-    blocks and a short last one) and thread count gives F.linear of the widened weight."""
+    """Every row count (4-row blocks and the rows left over), every column count (3-row
+    blocks and the rows left over per thread) and thread count gives F.linear of the
+    widened weight."""
     g = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
     x = torch.randn(m, k, generator=g)
     if fmt == torch.int8:
@@ -40,6 +42,22 @@ def test_each_format_computes_the_widened_product(fmt, m, n, k, threads):
         torch.set_num_threads(before)
     assert got.shape == (m, n) and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * k ** 0.5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", [torch.bfloat16, torch.int8])
+def test_a_rows_product_does_not_depend_on_its_batch(fmt):
+    """Bitwise: each row of an M-row product equals that row alone, for every M and every
+    position in the blocks, so a request's logits do not depend on what shares its step."""
+    g = torch.Generator().manual_seed(1)
+    n, k = 41, 200
+    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8) if fmt == torch.int8 \
+        else torch.randn(n, k, generator=g).to(fmt)
+    scale = torch.rand(n, generator=g) + 0.01 if fmt == torch.int8 else None
+    x = torch.randn(17, k, generator=g)
+    alone = torch.cat([KERNELS.gemm(x[i : i + 1], w, scale) for i in range(17)])
+    for m in range(1, 18):
+        assert torch.equal(KERNELS.gemm(x[:m], w, scale), alone[:m]), m
 
 
 def test_the_build_falls_back_with_a_reason(monkeypatch, tmp_path):
@@ -192,6 +210,20 @@ def test_the_decode_attention_kernel_matches_the_reference(seed):
     want = paged_attention(q, k, v, theirs, ref_meta, d ** -0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(ours, theirs)
+    # From the fused projection's rows, rotated inside: RotaryEmbedding.apply's result.
+    from tailserve.model.config import RopeConfig
+    from tailserve.model.rope import RotaryEmbedding
+
+    rotary = RotaryEmbedding(RopeConfig(theta=10000.0), d, 128, torch.float32)
+    positions = torch.tensor([p for c, ql in zip(ctxs, qlens) for p in range(c - ql, c)])
+    cos, sin = rotary.lookup(positions)
+    qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=1)
+    fused = cache.clone()
+    got = meta.attend_rope(qkv, cos, sin, h, kvh, fused, d ** -0.5)
+    rot_ref = cache.clone()
+    want = meta.attend(rotary.apply(q, cos, sin), rotary.apply(k, cos, sin), v, rot_ref, d ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused, rot_ref, rtol=1e-6, atol=1e-6)
     # A step with a longer chunk (a prefill) goes to the reference's metadata.
     long = CpuDecodeBackend.MAX_QUERY_LEN + 1
     assert not isinstance(backend.build([long], [long], [list(range(-(-long // bs)))]), CpuDecodeMetadata)

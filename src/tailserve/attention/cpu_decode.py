@@ -39,6 +39,13 @@ class CpuDecodeMetadata:
         return self.kernels.paged_decode_attention(q, k, v, kv_cache, self.block_tables, self.seq_lens,
                                                    self.slot_mapping, scale, self.sliding_window, self.max_ctx)
 
+    def attend_rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                    num_kv_heads: int, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """From the fused QKV rows: the rotary embedding (rotate-half) applied inside the kernel."""
+        return self.kernels.rope_paged_decode_attention(qkv, cos, sin, num_heads, num_kv_heads, kv_cache,
+                                                        self.block_tables, self.seq_lens, self.slot_mapping, scale,
+                                                        self.sliding_window, self.max_ctx)
+
 
 class CpuDecodeBackend(TorchReferenceBackend):
     name = "cpu-decode"

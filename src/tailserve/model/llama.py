@@ -113,6 +113,10 @@ class Attention(nn.Module):
         t = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj.forward(x)  # (T, (H + 2*KVH) * D)
+        if self.q_norm is None and self.rotary.rotate_half and hasattr(meta, "attend_rope") \
+                and qkv.dtype == torch.float32:
+            # The CPU decode kernel rotates q and k itself (RotaryEmbedding.apply's arithmetic).
+            return self.o_proj.forward(meta.attend_rope(qkv, *rope, h, kvh, kv_cache, self.scale))
         v = qkv[:, self.q_size + self.kv_size :].view(t, kvh, d)
         if self.q_norm is None:
             # q and k are adjacent in the fused projection: rotate both with one call.

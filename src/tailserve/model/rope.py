@@ -34,6 +34,10 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 class RotaryEmbedding(torch.nn.Module):
     """Precomputed cos/sin tables, indexed by absolute position."""
 
+    # The rotate-half layout over the whole head (Llama, Mistral, Qwen): what the CPU decode
+    # kernel's fused rotation implements.
+    rotate_half = True
+
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, dtype: torch.dtype) -> None:
         super().__init__()
         inv_freq = inverse_frequencies(rope, head_dim)

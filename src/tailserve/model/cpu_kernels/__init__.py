@@ -61,6 +61,10 @@ class CpuKernels:
         self._attn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] + [ctypes.c_void_p] * 3 \
             + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_long, ctypes.c_long, ctypes.c_int]
         self._attn.restype = None
+        self._rope_attn = lib.tailserve_rope_paged_decode_attention
+        self._rope_attn.argtypes = [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 5 + [ctypes.c_long] \
+            + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_long, ctypes.c_long, ctypes.c_int]
+        self._rope_attn.restype = None
         self._cutoffs = lib.tailserve_sampling_cutoffs
         self._cutoffs.argtypes = [ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int]
         self._cutoffs.restype = None
@@ -92,6 +96,25 @@ class CpuKernels:
         self._attn(q.data_ptr(), k.data_ptr(), v.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
                    block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), slots.data_ptr(),
                    out.data_ptr(), b, h, kvh, d, bs, scale, window or 0, max_ctx, torch.get_num_threads())
+        return out
+
+    def rope_paged_decode_attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, h: int, kvh: int,
+                                    kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                                    slots: torch.Tensor, scale: float, window: int | None,
+                                    max_ctx: int) -> torch.Tensor:
+        """``paged_decode_attention`` from the fused projection's rows: qkv (B, (H + 2 KVH) * D)
+        float32 with unit inner stride, cos/sin (B, D) float32 for each row's position; q and
+        k rotated (rotate-half) inside. Returns (B, H*D)."""
+        b = qkv.shape[0]
+        d = cos.shape[-1]
+        if qkv.stride(1) != 1 or qkv.dtype != torch.float32 or qkv.shape[1] != (h + 2 * kvh) * d:
+            raise ValueError("rope_paged_decode_attention takes float32 (B, (H + 2 KVH) * D) rows")
+        cos, sin = cos.reshape(b, d).contiguous(), sin.reshape(b, d).contiguous()
+        out = torch.empty((b, h * d), dtype=torch.float32)
+        self._rope_attn(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), kv_cache[0].data_ptr(),
+                        kv_cache[1].data_ptr(), block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
+                        slots.data_ptr(), out.data_ptr(), b, h, kvh, d, kv_cache.shape[2], scale, window or 0,
+                        max_ctx, torch.get_num_threads())
         return out
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

@@ -10,9 +10,8 @@
  *
  * Layout of the work: each thread streams one contiguous range of weight rows, row after row,
  * prefetching a few KB ahead (one linear stream per core reads DRAM faster here than several
- * interleaved rows: measured 19 against 10-12 GB/s). Per row, activation rows go four at a
- * time (8 accumulators; each widened weight vector feeds four FMAs), the row staying in L1
- * after the first. OpenMP is the same libgomp PyTorch loaded. K must be a multiple of 8 (the
+ * interleaved rows: measured 19 against 10-12 GB/s). Weight rows go three at a time against
+ * four activation rows (see DEFINE_GEMM), the rows staying in L1 after the first block. OpenMP is the same libgomp PyTorch loaded. K must be a multiple of 8 (the
  * caller checks); N and M are arbitrary.
  */
 #include <immintrin.h>
@@ -45,6 +44,12 @@ static inline __m256 widen_i8(const int8_t* p) {
  * (4-8 KB: measured best here, 10 -> 19 GB/s for a bf16 weight streamed from DRAM). */
 #define PREFETCH_AHEAD 2048
 
+/* Every output is one accumulator summed over K in order, 8 lanes at a time, then reduced:
+ * the same arithmetic whichever block it falls in, so a row's result does not depend on the
+ * batch it shares (batch-invariant logits). Blocks: 3 weight rows x 4 activation rows (12
+ * accumulators: each widened weight vector feeds 4 FMAs, each activation vector 3, so the
+ * FMAs, not the loads, set the pace); 3 x 1 for the activation rows left over (batch 1); a
+ * weight row left over takes 1 x 4 and 1 x 1. */
 #define DEFINE_GEMM(NAME, WT, WIDEN)                                                                   \
 void NAME(const float* x, const WT* w, const float* scale, float* y, long M, long N, long K, int threads) { \
     _Pragma("omp parallel num_threads(threads)")                                                     \
@@ -53,53 +58,83 @@ void NAME(const float* x, const WT* w, const float* scale, float* y, long M, lon
         long per = (N + nt - 1) / nt;                                                                \
         long lo = t * per, hi = lo + per < N ? lo + per : N;                                         \
         const WT* end = w + hi * K;                                                                  \
-        for (long n = lo; n < hi; n++) {                                                             \
+        long n = lo;                                                                                 \
+        for (; n + 3 <= hi; n += 3) {                                                                \
+            const WT *r0 = w + n * K, *r1 = r0 + K, *r2 = r1 + K;                                    \
+            float s0 = scale ? scale[n] : 1.0f, s1 = scale ? scale[n + 1] : 1.0f;                    \
+            float s2 = scale ? scale[n + 2] : 1.0f;                                                  \
+            long m = 0;                                                                              \
+            for (; m + 4 <= M; m += 4) {                                                             \
+                const float *x0 = x + m * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;               \
+                __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c03 = c00;                   \
+                __m256 c10 = c00, c11 = c00, c12 = c00, c13 = c00;                                   \
+                __m256 c20 = c00, c21 = c00, c22 = c00, c23 = c00;                                   \
+                for (long k = 0; k < K; k += 8) {                                                    \
+                    if (m == 0 && r0 + 3 * k + PREFETCH_AHEAD < end)                                 \
+                        _mm_prefetch((const char*)(r0 + 3 * k + PREFETCH_AHEAD), _MM_HINT_T0);       \
+                    __m256 w0 = WIDEN(r0 + k), w1 = WIDEN(r1 + k), w2 = WIDEN(r2 + k);               \
+                    __m256 xv = _mm256_loadu_ps(x0 + k);                                             \
+                    c00 = _mm256_fmadd_ps(w0, xv, c00); c10 = _mm256_fmadd_ps(w1, xv, c10);          \
+                    c20 = _mm256_fmadd_ps(w2, xv, c20);                                              \
+                    xv = _mm256_loadu_ps(x1 + k);                                                    \
+                    c01 = _mm256_fmadd_ps(w0, xv, c01); c11 = _mm256_fmadd_ps(w1, xv, c11);          \
+                    c21 = _mm256_fmadd_ps(w2, xv, c21);                                              \
+                    xv = _mm256_loadu_ps(x2 + k);                                                    \
+                    c02 = _mm256_fmadd_ps(w0, xv, c02); c12 = _mm256_fmadd_ps(w1, xv, c12);          \
+                    c22 = _mm256_fmadd_ps(w2, xv, c22);                                              \
+                    xv = _mm256_loadu_ps(x3 + k);                                                    \
+                    c03 = _mm256_fmadd_ps(w0, xv, c03); c13 = _mm256_fmadd_ps(w1, xv, c13);          \
+                    c23 = _mm256_fmadd_ps(w2, xv, c23);                                              \
+                }                                                                                    \
+                float* o = y + m * N + n;                                                            \
+                o[0] = hsum8(c00) * s0; o[1] = hsum8(c10) * s1; o[2] = hsum8(c20) * s2; o += N;      \
+                o[0] = hsum8(c01) * s0; o[1] = hsum8(c11) * s1; o[2] = hsum8(c21) * s2; o += N;      \
+                o[0] = hsum8(c02) * s0; o[1] = hsum8(c12) * s1; o[2] = hsum8(c22) * s2; o += N;      \
+                o[0] = hsum8(c03) * s0; o[1] = hsum8(c13) * s1; o[2] = hsum8(c23) * s2;              \
+            }                                                                                        \
+            for (; m < M; m++) {                                                                     \
+                const float* x0 = x + m * K;                                                         \
+                __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0;                                   \
+                for (long k = 0; k < K; k += 8) {                                                    \
+                    if (m == 0 && r0 + 3 * k + PREFETCH_AHEAD < end)                                 \
+                        _mm_prefetch((const char*)(r0 + 3 * k + PREFETCH_AHEAD), _MM_HINT_T0);       \
+                    __m256 xv = _mm256_loadu_ps(x0 + k);                                             \
+                    c0 = _mm256_fmadd_ps(WIDEN(r0 + k), xv, c0);                                     \
+                    c1 = _mm256_fmadd_ps(WIDEN(r1 + k), xv, c1);                                     \
+                    c2 = _mm256_fmadd_ps(WIDEN(r2 + k), xv, c2);                                     \
+                }                                                                                    \
+                float* o = y + m * N + n;                                                            \
+                o[0] = hsum8(c0) * s0; o[1] = hsum8(c1) * s1; o[2] = hsum8(c2) * s2;                 \
+            }                                                                                        \
+        }                                                                                            \
+        for (; n < hi; n++) {                                                                        \
             const WT* r = w + n * K;                                                                 \
             float s = scale ? scale[n] : 1.0f;                                                       \
             long m = 0;                                                                              \
             for (; m + 4 <= M; m += 4) {                                                             \
                 const float *x0 = x + m * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;               \
-                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(); \
-                __m256 a3 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(); \
-                __m256 b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();                           \
-                long k = 0;                                                                          \
-                for (; k + 16 <= K; k += 16) {                                                       \
-                    if (m == 0 && r + k + PREFETCH_AHEAD < end)                                      \
-                        _mm_prefetch((const char*)(r + k + PREFETCH_AHEAD), _MM_HINT_T0);            \
-                    __m256 w0 = WIDEN(r + k), w1 = WIDEN(r + k + 8);                                 \
-                    a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x0 + k), a0);                           \
-                    b0 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x0 + k + 8), b0);                       \
-                    a1 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x1 + k), a1);                           \
-                    b1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x1 + k + 8), b1);                       \
-                    a2 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x2 + k), a2);                           \
-                    b2 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x2 + k + 8), b2);                       \
-                    a3 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x3 + k), a3);                           \
-                    b3 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x3 + k + 8), b3);                       \
-                }                                                                                    \
-                if (k < K) { /* K % 16 == 8 */                                                       \
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                          \
+                for (long k = 0; k < K; k += 8) {                                                    \
                     __m256 w0 = WIDEN(r + k);                                                        \
                     a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x0 + k), a0);                           \
                     a1 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x1 + k), a1);                           \
                     a2 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x2 + k), a2);                           \
                     a3 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x3 + k), a3);                           \
                 }                                                                                    \
-                y[m * N + n] = hsum8(_mm256_add_ps(a0, b0)) * s;                                     \
-                y[(m + 1) * N + n] = hsum8(_mm256_add_ps(a1, b1)) * s;                               \
-                y[(m + 2) * N + n] = hsum8(_mm256_add_ps(a2, b2)) * s;                               \
-                y[(m + 3) * N + n] = hsum8(_mm256_add_ps(a3, b3)) * s;                               \
+                y[m * N + n] = hsum8(a0) * s;                                                        \
+                y[(m + 1) * N + n] = hsum8(a1) * s;                                                  \
+                y[(m + 2) * N + n] = hsum8(a2) * s;                                                  \
+                y[(m + 3) * N + n] = hsum8(a3) * s;                                                  \
             }                                                                                        \
             for (; m < M; m++) {                                                                     \
                 const float* x0 = x + m * K;                                                         \
-                __m256 a0 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps();                           \
-                long k = 0;                                                                          \
-                for (; k + 16 <= K; k += 16) {                                                       \
+                __m256 a0 = _mm256_setzero_ps();                                                     \
+                for (long k = 0; k < K; k += 8) {                                                    \
                     if (m == 0 && r + k + PREFETCH_AHEAD < end)                                      \
                         _mm_prefetch((const char*)(r + k + PREFETCH_AHEAD), _MM_HINT_T0);            \
                     a0 = _mm256_fmadd_ps(WIDEN(r + k), _mm256_loadu_ps(x0 + k), a0);                 \
-                    b0 = _mm256_fmadd_ps(WIDEN(r + k + 8), _mm256_loadu_ps(x0 + k + 8), b0);         \
                 }                                                                                    \
-                if (k < K) a0 = _mm256_fmadd_ps(WIDEN(r + k), _mm256_loadu_ps(x0 + k), a0);          \
-                y[m * N + n] = hsum8(_mm256_add_ps(a0, b0)) * s;                                     \
+                y[m * N + n] = hsum8(a0) * s;                                                        \
             }                                                                                        \
         }                                                                                            \
     }                                                                                                \
@@ -192,6 +227,10 @@ void tailserve_silu_mul(const float* gu, float* out, long M, long I) {
  * the whole group), softmax in float32, and the weighted sum of values. A window > 0 keeps
  * the last `window` positions. D must be a multiple of 8. Caches are float32
  * (num_slots, KVH, D) with slot = block * block_size + offset. */
+static void attend_paged(const float* q, const float* k_cache, const float* v_cache, const int32_t* block_tables,
+                         long bt_stride, const int32_t* seq_lens, float* out, long B, long H, long KVH, long D,
+                         long block_size, float scale, long window, long max_ctx, int threads);
+
 void tailserve_paged_decode_attention(const float* q, const float* k_new, const float* v_new, float* k_cache,
                                       float* v_cache, const int32_t* block_tables, long bt_stride,
                                       const int32_t* seq_lens, const int64_t* slots, float* out, long B, long H,
@@ -201,6 +240,44 @@ void tailserve_paged_decode_attention(const float* q, const float* k_new, const 
         memcpy(k_cache + slots[b] * KVH * D, k_new + b * KVH * D, KVH * D * sizeof(float));
         memcpy(v_cache + slots[b] * KVH * D, v_new + b * KVH * D, KVH * D * sizeof(float));
     }
+    attend_paged(q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, B, H, KVH, D, block_size, scale,
+                 window, max_ctx, threads);
+}
+
+/* The same, straight from the fused QKV projection's rows (qkv: B rows of (H + 2 KVH) * D at
+ * qkv_stride): rotary embedding of q and k (rotate-half, cos/sin (B, D) per row, as
+ * RotaryEmbedding.apply), the rotated k and v written into their slots, then attention. One
+ * call where PyTorch ran a slice, a concatenation, two products and a sum per layer. */
+void tailserve_rope_paged_decode_attention(const float* qkv, long qkv_stride, const float* cos, const float* sin,
+                                           float* k_cache, float* v_cache, const int32_t* block_tables,
+                                           long bt_stride, const int32_t* seq_lens, const int64_t* slots,
+                                           float* out, long B, long H, long KVH, long D, long block_size,
+                                           float scale, long window, long max_ctx, int threads) {
+    float* q = (float*)malloc(sizeof(float) * B * H * D);
+    long half = D / 2;
+    for (long b = 0; b < B; b++) {
+        const float* row = qkv + b * qkv_stride;
+        const float* c = cos + b * D;
+        const float* sn = sin + b * D;
+        for (long h = 0; h < H + KVH; h++) {
+            const float* x = row + h * D;
+            float* o = h < H ? q + (b * H + h) * D : k_cache + slots[b] * KVH * D + (h - H) * D;
+            for (long i = 0; i < half; i++) {
+                float x1 = x[i], x2 = x[i + half];
+                o[i] = x1 * c[i] + (-x2) * sn[i];
+                o[i + half] = x2 * c[i + half] + x1 * sn[i + half];
+            }
+        }
+        memcpy(v_cache + slots[b] * KVH * D, row + (H + KVH) * D, KVH * D * sizeof(float));
+    }
+    attend_paged(q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, B, H, KVH, D, block_size, scale,
+                 window, max_ctx, threads);
+    free(q);
+}
+
+static void attend_paged(const float* q, const float* k_cache, const float* v_cache, const int32_t* block_tables,
+                         long bt_stride, const int32_t* seq_lens, float* out, long B, long H, long KVH, long D,
+                         long block_size, float scale, long window, long max_ctx, int threads) {
     long G = H / KVH, work = B * KVH, stride = KVH * D;
     int nt = work * G * max_ctx * D < (1L << 16) ? 1 : threads;  /* small steps: no thread wake-up */
     _Pragma("omp parallel num_threads(nt)")
