@@ -107,12 +107,17 @@ class CpuKernels:
         k rotated (rotate-half) inside. Returns (B, H*D)."""
         b = qkv.shape[0]
         d = cos.shape[-1]
-        if qkv.stride(1) != 1 or qkv.dtype != torch.float32 or qkv.shape[1] != (h + 2 * kvh) * d:
-            raise ValueError("rope_paged_decode_attention takes float32 (B, (H + 2 KVH) * D) rows")
-        cos, sin = cos.reshape(b, d).contiguous(), sin.reshape(b, d).contiguous()
+        if qkv.stride(1) != 1 or qkv.dtype != torch.float32 or qkv.shape[1] != (h + 2 * kvh) * d \
+                or cos.numel() != b * d or not kv_cache.is_contiguous() or kv_cache.dtype != torch.float32:
+            raise ValueError("rope_paged_decode_attention takes float32 (B, (H + 2 KVH) * D) rows, (B, D) "
+                             "tables and a contiguous float32 cache")
+        if not (cos.is_contiguous() and sin.is_contiguous()):
+            cos, sin = cos.contiguous(), sin.contiguous()
         out = torch.empty((b, h * d), dtype=torch.float32)
-        self._rope_attn(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), kv_cache[0].data_ptr(),
-                        kv_cache[1].data_ptr(), block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
+        k_ptr = kv_cache.data_ptr()  # (2, ...) contiguous: the V half starts stride(0) elements on
+        self._rope_attn(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), k_ptr,
+                        k_ptr + kv_cache.stride(0) * 4, block_tables.data_ptr(), block_tables.stride(0),
+                        seq_lens.data_ptr(),
                         slots.data_ptr(), out.data_ptr(), b, h, kvh, d, kv_cache.shape[2], scale, window or 0,
                         max_ctx, torch.get_num_threads())
         return out
