@@ -264,3 +264,54 @@ def test_weights_that_are_not_exactly_bf16_keep_float32():
         torch.testing.assert_close(layer.forward(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
         if want == "cpu-compact-weights":
             assert layer.method.name == want
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind, quantization", [("llama", None), ("mistral", None), ("llama", "int8"),
+                                                ("llama_tied", None)])
+def test_the_fused_decode_layer_is_the_per_operation_path(tmp_path, kind, quantization):
+    """A bf16 checkpoint run in float32 over compact (or int8) weights: decode steps go
+    through one compiled call per layer; its logits equal the per-operation path's (same
+    kernels, returning to Python between them), decode and verification-sized steps, ragged
+    contexts, a sliding window; greedy output is the same."""
+    from conftest import build_hf_model, save_checkpoint
+    from tailserve import LLM, SamplingParams
+    from tailserve.attention.cpu_decode import CpuDecodeMetadata
+
+    path = save_checkpoint(build_hf_model(kind), tmp_path / kind, dtype=torch.bfloat16)
+    kw = dict(dtype="float32", kv_cache_memory_bytes=2 << 20, block_size=4, quantization=quantization)
+    fused = LLM(str(path), **kw)
+    worker = fused.engine.core.worker
+    model = worker.model
+    assert worker.num_fused_layers == len(model.layers) > 0
+    g = torch.Generator().manual_seed(7)
+    cfg = worker.arch
+    caches = [torch.randn(2, 12, 4, cfg.num_kv_heads, cfg.head_dim, generator=g) for _ in range(cfg.num_layers)]
+    for qlens, ctxs in (([1, 1, 1], [9, 17, 3]), ([4, 2], [11, 6]), ([1], [30])):
+        # Scattered block tables over the 12 blocks of the caches.
+        tables = [[(i * 3 + j) % 12 for j in range(-(-c // 4))] for i, c in enumerate(ctxs)]
+        meta = worker.attn_backend.build(qlens, ctxs, tables)
+        assert isinstance(meta, CpuDecodeMetadata)
+        ids = torch.randint(0, cfg.vocab_size, (sum(qlens),), generator=g)
+        pos = torch.tensor([p for q, c in zip(qlens, ctxs) for p in range(c - q, c)])
+        outs, kv = [], []
+        for use_fused in (True, False):
+            saved = [layer.fused for layer in model.layers]
+            if not use_fused:
+                for layer in model.layers:
+                    layer.fused = None
+            c = [t.clone() for t in caches]
+            meta._step = None
+            with torch.inference_mode():
+                outs.append(model.compute_logits(model(ids, pos, c, meta)))
+            kv.append(c)
+            for layer, f in zip(model.layers, saved):
+                layer.fused = f
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+        for a, b in zip(*kv):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    plain = LLM(str(path), cpu_kernels=False, **{**kw, "quantization": None}) if quantization is None else None
+    if plain is not None:
+        p = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        prompts = [[5, 6, 7, 8, 9] * 3, [11, 12, 13]]
+        assert [o.token_ids for o in fused.generate(prompts, p)] == [o.token_ids for o in plain.generate(prompts, p)]

@@ -39,6 +39,19 @@ class CpuDecodeMetadata:
         return self.kernels.paged_decode_attention(q, k, v, kv_cache, self.block_tables, self.seq_lens,
                                                    self.slot_mapping, scale, self.sliding_window, self.max_ctx)
 
+    _step: object = None
+
+    def kernel_step(self, block_size: int):
+        """The step's tables as the fused decode layer takes them (built once per step)."""
+        if self._step is None:
+            from tailserve.model.cpu_kernels import StepStruct
+
+            self._step = StepStruct(self.block_tables.data_ptr(), self.block_tables.stride(0),
+                                    self.seq_lens.data_ptr(), self.slot_mapping.data_ptr(),
+                                    self.slot_mapping.shape[0], block_size, self.sliding_window or 0, self.max_ctx,
+                                    torch.get_num_threads())
+        return self._step
+
     def attend_rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
                     num_kv_heads: int, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """From the fused QKV rows: the rotary embedding (rotate-half) applied inside the kernel."""

@@ -32,7 +32,7 @@ from tailserve.memory.kv_sizing import CudaMemory, DeviceMemory, MemoryProfile, 
 from tailserve.model import cpu_kernels
 from tailserve.model.config import ModelArchConfig, load_arch_config, parse_dtype
 from tailserve.model.linear import SINGLE, TensorParallel, select_linear_method
-from tailserve.model.llama import TORCH_OPS, KernelLayerOps, LayerOps, LlamaFamilyModel
+from tailserve.model.llama import TORCH_OPS, KernelLayerOps, LayerOps, LlamaFamilyModel, fuse_decode_layers
 from tailserve.model.loader import load_model
 from tailserve.platform_info import resolve_auto_dtype
 from tailserve.speculative.draft_step import make_draft_step
@@ -168,6 +168,10 @@ class Worker:
             self.attn_backend = CpuDecodeBackend(*backend_args, kernels=self.layer_ops.kernels)
         else:
             self.attn_backend = backend_cls(*backend_args)
+        # Decode steps of a float32 CPU model with compact weights: one compiled call per layer.
+        self.num_fused_layers = 0
+        if isinstance(self.attn_backend, CpuDecodeBackend):
+            self.num_fused_layers = fuse_decode_layers(self.model, self.layer_ops.kernels)
         # CUDA graphs for decode: one process, CUDA, and a backend with capture hooks.
         self.use_decode_graphs = (self.device.type == "cuda" and not config.enforce_eager and tp.size == 1
                                   and self.attn_backend.supports_graph_capture)
@@ -270,6 +274,8 @@ class Worker:
             # repacks them.
             single_step = make_draft_step(draft_model, plan.arch, draft_caches, self.device, plan.numpy_step)
             draft_model.set_linear_method(self.draft_linear_method)
+            if isinstance(draft_model.ops, KernelLayerOps):
+                fuse_decode_layers(draft_model, draft_model.ops.kernels)  # used where its backend is the kernel's
             draft_backend = None
             draft_ops = draft_model.ops
             if isinstance(draft_ops, KernelLayerOps) and plan.arch.sliding_window is None \

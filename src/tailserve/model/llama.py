@@ -82,6 +82,78 @@ class KernelLayerOps(LayerOps):
         return self.kernels.silu_mul(gate_up)
 
 
+class FusedDecodeLayer:
+    """A decoder layer's decode step in one compiled call (``tailserve_decode_layer``): the
+    same kernels as KernelLayerOps, the compact linear methods and the CPU decode attention,
+    without a return to Python between them. Built by ``fuse_decode_layers`` for layers that
+    qualify; DecoderLayer.forward uses it for steps of up to MAX_ROWS rows whose attention
+    metadata is the CPU decode kernel's, and the per-operation path otherwise."""
+
+    MAX_ROWS = 16
+
+    def __init__(self, kernels, layer: DecoderLayer, fmt: int, weights: list[torch.Tensor],
+                 scales: list[torch.Tensor | None]) -> None:
+        from tailserve.model.cpu_kernels import LayerStruct
+
+        attn = layer.self_attn
+        self.kernels = kernels
+        self._keep = (weights, scales)  # the struct holds raw pointers into these
+        ptr = [w.data_ptr() for w in weights] + [0 if sc is None else sc.data_ptr() for sc in scales]
+        self.struct = LayerStruct(fmt, *ptr, layer.input_layernorm.weight.data_ptr(),
+                                  layer.post_attention_layernorm.weight.data_ptr(), layer.input_layernorm.eps,
+                                  attn.scale, layer.input_layernorm.dim, attn.num_heads, attn.num_kv_heads,
+                                  attn.head_dim, layer.mlp.intermediate_size)
+        self.block_size = 0
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: torch.Tensor, step) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x if residual is None else residual  # the first layer's stream is the embedding itself
+        out = torch.empty_like(h)
+        cos, sin = rope
+        k_ptr = kv_cache.data_ptr()
+        self.kernels.decode_layer(self.struct, step, h.data_ptr(), 0 if residual is None else x.data_ptr(),
+                                  out.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_ptr,
+                                  k_ptr + kv_cache.stride(0) * 4)
+        return out, h
+
+
+def fuse_decode_layers(model: LlamaFamilyModel, kernels) -> int:
+    """Give each qualifying layer of a float32 CPU model its FusedDecodeLayer; returns how
+    many qualified. A layer qualifies when its four projections keep compact weights for the
+    compiled kernel (bf16, fp16, or int8 with float row scales), none has a bias, and it has
+    no q/k norms (Llama, Mistral, Qwen2 without biases)."""
+    from tailserve.model.cpu_kernels import WEIGHT_FORMATS
+    from tailserve.model.linear import CpuCompactWeightsLinearMethod, Int8WeightOnlyLinearMethod
+
+    count = 0
+    for layer in model.layers:
+        layer.fused = None
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        if attn.q_norm is not None or not attn.rotary.rotate_half or model.tp.size != 1 \
+                or not isinstance(layer.ops, KernelLayerOps) or model.embed_tokens.dtype != torch.float32:
+            continue
+        weights, scales = [], []
+        for lin in linears:
+            q = getattr(lin, "qweight", None)
+            method = lin.method
+            if lin.bias is not None or q is None or not kernels.supports(q):
+                break
+            if isinstance(method, CpuCompactWeightsLinearMethod):
+                weights.append(q)
+                scales.append(None)
+            elif isinstance(method, Int8WeightOnlyLinearMethod) and getattr(lin, "scales_f32", None) is not None:
+                weights.append(q)
+                scales.append(lin.scales_f32)
+            else:
+                break
+        if len(weights) != 4 or len({w.dtype for w in weights}) != 1:
+            continue
+        layer.fused = FusedDecodeLayer(kernels, layer, WEIGHT_FORMATS[weights[0].dtype], weights, scales)
+        count += 1
+    return count
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -151,12 +223,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
         self.ops: LayerOps = TORCH_OPS
+        self.fused: FusedDecodeLayer | None = None  # fuse_decode_layers
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: torch.Tensor, meta: LayerAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output (T, hidden), residual: the stream before it (None at
         the first layer, where x is the embedding). Returns (this layer's output, the stream):
         the stream plus both outputs is what ``x + attn(norm(x))``, ``x + mlp(norm(x))`` give."""
+        fused = self.fused
+        if fused is not None and x.shape[0] <= FusedDecodeLayer.MAX_ROWS and hasattr(meta, "kernel_step") \
+                and rope[0].is_contiguous() and rope[1].is_contiguous():
+            return fused.forward(x, residual, rope, kv_cache, meta.kernel_step(kv_cache.shape[2]))
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         if residual is None:
             residual, h = x, self.ops.rms_norm(x, ln1.weight, ln1.eps)

@@ -38,6 +38,25 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
+class LayerStruct(ctypes.Structure):
+    """``tailserve_layer`` of gemv_avx2.c: one decoder layer's weights and sizes."""
+
+    _fields_ = [("fmt", ctypes.c_int)] + [(n, ctypes.c_void_p) for n in (
+        "w_qkv", "w_o", "w_gu", "w_down", "s_qkv", "s_o", "s_gu", "s_down", "ln1", "ln2")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float)] + [(n, ctypes.c_long) for n in ("E", "H", "KVH", "D", "I")]
+
+
+class StepStruct(ctypes.Structure):
+    """``tailserve_step``: a decode step's attention tables, shared by every layer."""
+
+    _fields_ = [("block_tables", ctypes.c_void_p), ("bt_stride", ctypes.c_long), ("seq_lens", ctypes.c_void_p),
+                ("slots", ctypes.c_void_p)] + [(n, ctypes.c_long) for n in ("M", "block_size", "window", "max_ctx")] \
+        + [("threads", ctypes.c_int)]
+
+
+WEIGHT_FORMATS = {torch.bfloat16: 0, torch.float16: 1, torch.int8: 2}
+
+
 class CpuKernels:
     """The loaded library: ``gemm(x, w, scale)`` for each weight format, and the fused
     per-layer operations of a float32 decode (``add_rms_norm``, ``silu_mul``)."""
@@ -65,6 +84,9 @@ class CpuKernels:
         self._rope_attn.argtypes = [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 5 + [ctypes.c_long] \
             + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_long, ctypes.c_long, ctypes.c_int]
         self._rope_attn.restype = None
+        self.decode_layer = lib.tailserve_decode_layer
+        self.decode_layer.argtypes = [ctypes.POINTER(LayerStruct), ctypes.POINTER(StepStruct)] + [ctypes.c_void_p] * 7
+        self.decode_layer.restype = None
         self._cutoffs = lib.tailserve_sampling_cutoffs
         self._cutoffs.argtypes = [ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int]
         self._cutoffs.restype = None
