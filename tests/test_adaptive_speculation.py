@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from tailserve.speculative.adaptive import AdaptiveSpeculation
@@ -140,3 +142,18 @@ def test_explorations_take_turns_and_last_several_steps():
     # An exploration of speculation off, three steps long.
     assert any(ks[i:i + 3] == [0, 0, 0] for i in range(len(ks) - 2))
     assert ks.count(model_k) > len(ks) // 2
+
+
+def test_explorations_back_off_where_they_keep_confirming_off():
+    ctl = AdaptiveSpeculation(k_max=6, explore_every=6, explore_len=3, max_backoff=4)
+    for _ in range(40):
+        ctl.observe_round(4, 4, cap=6)
+    _feed_costs(ctl, (3e-3, 1e-7), (5e-4, 1e-7))
+    assert ctl._model_choice(16)[0] > 0
+    _steady(ctl, 16, ctl._model_choice(16)[0], tokens=16, seconds=0.02)  # measured: speculating is slow
+    _steady(ctl, 16, 0, tokens=16, seconds=0.008)
+    ks = [ctl.choose_k(16) for _ in range(200)]
+    assert ks.count(0) > 150
+    assert ctl._backoff[ctl.bucket(16)] == 4  # explorations now come 4x less often in this bucket
+    explored = sum(1 for a, b in itertools.pairwise(ks) if a == 0 and b != 0)
+    assert explored <= 200 // (6 * 2) + 2

@@ -31,11 +31,13 @@ draft's bookkeeping). So the controller also measures what each k delivered: tok
 per second of whole step, per batch-size bucket (1, 2, 3-4, 5-8, ...), from steps whose k
 equals the previous step's (a step verifies the previous step's drafts and proposes its
 own). Explorations last ``explore_len`` steps and take turns: off, the model's choice, a
-random k. When the model's k has measured below speculation off in the same bucket, the
-controller turns speculation off; when off measured below the model's best k > 0, it turns
-it on. Measured on the built-in pair on a 2-core AVX2 CPU (docs/benchmarks.md): without
-this, batch 16 greedy ran at 0.73x of speculation off.
-"""
+random k (at most one above the model's best); while they keep confirming speculation off in
+a bucket, they come half as often each time (down to 1 in 8 x explore_every steps). When the
+model's k has measured less than 5% above speculation off in the same bucket, the controller
+turns speculation off; when the model's best k > 0 measured more than 10% above off, it
+turns it on (the margin: switching back on costs the draft a catch-up). Measured on the
+built-in pair on a 2-core AVX2 CPU (docs/benchmarks.md): without this, batch 16 greedy ran
+at 0.73x of speculation off."""
 
 from __future__ import annotations
 
@@ -129,6 +131,7 @@ class AdaptiveSpeculation:
     _unit: float = 1.0
     # Measured throughput: (batch bucket, k) -> [tokens/s, weight], forgotten per observation.
     explore_len: int = 3
+    switch_margin: float = 0.05  # speculation stays on only while measured >= 5% above off
     rate_forget: float = 0.8
     min_rate_weight: float = 1.5
     rates: dict = field(default_factory=dict)
@@ -138,6 +141,12 @@ class AdaptiveSpeculation:
     _explore_k: int = 0
     _explore_turn: int = 0
     _model_k: int = 0  # the cost model's choice, before the measured check
+    # Per batch bucket: exploration interval multiplier (doubles, up to max_backoff, while the
+    # explorations keep confirming speculation off there) and steps since its last one.
+    max_backoff: int = 8
+    _backoff: dict = field(default_factory=dict)
+    _since_explore: dict = field(default_factory=dict)
+    _judge_bucket: int | None = None  # an exploration just ended here: its verdict is pending
 
     def __post_init__(self) -> None:
         n = self.k_max + 1
@@ -251,23 +260,36 @@ class AdaptiveSpeculation:
             return self._set(self._explore_k, num_decoding)
         model_k, best_pos = self._model_choice(num_decoding)
         self._model_k = model_k
-        if self._steps % self.explore_every == 0:
-            # Keep the cost fits and the measured rates fresh: off, the model's k, a random k.
+        bkt = self.bucket(num_decoding)
+        since = self._since_explore.get(bkt, 0) + 1
+        self._since_explore[bkt] = since
+        if since >= self.explore_every * self._backoff.get(bkt, 1):
+            # Keep the cost fits and the measured rates fresh: off, the model's k, a random k
+            # (at most one above the model's best k > 0: a long draft at a large batch costs).
+            self._since_explore[bkt] = 0
             turn = self._explore_turn % 3
             self._explore_turn += 1
-            self._explore_k = 0 if turn == 0 else best_pos if turn == 1 else self._rng.randint(0, self.k_max)
+            self._explore_k = 0 if turn == 0 else best_pos if turn == 1 else \
+                self._rng.randint(0, min(self.k_max, best_pos + 1))
             self._explore_left = self.explore_len - 1
+            self._judge_bucket = bkt
             return self._set(self._explore_k, num_decoding)
         k = model_k
         off = self.measured_rate(num_decoding, 0)
+        # With a margin towards off: every switch back on costs the draft a catch-up over the
+        # tokens generated meanwhile, which no steady step measures.
         if k > 0:
             on = self.measured_rate(num_decoding, k)
-            if on is not None and off is not None and off > on:
-                k = 0  # measured: this k delivers less than speculation off
+            if on is not None and off is not None and on < off * (1.0 + self.switch_margin):
+                k = 0  # measured: this k does not clearly beat speculation off
         else:
             on = self.measured_rate(num_decoding, best_pos)
-            if on is not None and off is not None and on > off:
-                k = best_pos  # measured: the model's best k > 0 beats off
+            if on is not None and off is not None and on > off * (1.0 + 2 * self.switch_margin):
+                k = best_pos  # measured: the model's best k > 0 clearly beats off
+        if self._judge_bucket == bkt:
+            # The first choice after an exploration here: off again means explore less often.
+            self._backoff[bkt] = min(self._backoff.get(bkt, 1) * 2, self.max_backoff) if k == 0 else 1
+            self._judge_bucket = None
         return self._set(k, num_decoding)
 
     def _model_choice(self, num_decoding: int) -> tuple[int, int]:
