@@ -52,7 +52,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CUDA: run decodes eagerly instead of replaying CUDA graphs captured at start-up")
     g.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
                    help="use PyTorch's kernels only, not tailserve's compiled CPU kernels (compact bf16/fp16/int8 "
-                        "weights with float32 arithmetic)")
+                        "weights with float32 arithmetic, fused decode layers and attention, sampling cut-offs)")
     g.add_argument("--no-cpu-onednn", dest="cpu_onednn", action="store_false",
                    help="use PyTorch's plain linear kernels on the CPU instead of oneDNN-packed weights")
     s = p.add_argument_group("speculative decoding")
