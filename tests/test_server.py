@@ -462,11 +462,13 @@ def test_sigterm_stops_the_server_cleanly(llama_checkpoint):
 
 
 def test_speculative_server_reports_acceptance(llama_checkpoint, offline):
-    """Speculation on (the target as its own draft, adaptive k): greedy text is the offline
-    engine's, and each response's timing carries the spec figures (non-streaming body and
-    the streamed final chunk), as do the Prometheus counters."""
+    """Speculation on (the target as its own draft, k fixed at 3: with a draft as dear as the
+    target, the adaptive controller may rightly measure a loss and turn it off): greedy text
+    is the offline engine's, and each response's timing carries the spec figures
+    (non-streaming body and the streamed final chunk), as do the Prometheus counters."""
     path, _ = llama_checkpoint
-    s = ServerProcess(str(path), "--kv-cache-memory", "8MiB", "--speculative-model", str(path))
+    s = ServerProcess(str(path), "--kv-cache-memory", "8MiB", "--speculative-model", str(path),
+                      "--num-speculative-tokens", "3")
     try:
         body = {"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
         ref = offline.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]

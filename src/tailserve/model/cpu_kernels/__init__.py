@@ -32,7 +32,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = pathlib.Path(__file__).with_name("gemv_avx2.c")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-lm"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-lm"]
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
