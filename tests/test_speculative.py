@@ -392,3 +392,36 @@ def test_builtin_bf16_draft_runs_on_compact_weights_and_stays_exact():
     alone = spec.generate(prompts[:1], seeded)[0].outputs[0].token_ids
     mixed = spec.generate(prompts, [seeded] + [SamplingParams(temperature=1.0, max_tokens=30)] * 3)
     assert mixed[0].outputs[0].token_ids == alone
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_a_ragged_catch_up_leaves_the_cached_values_it_repeats(llama_checkpoint, draft_checkpoint, backend):
+    """Rows of one catch-up needing one and two tokens run as one chain forward of two; the
+    row that needs one is fed its previous token too, whose K/V writes go to the scratch
+    slot: the cache at that position keeps its values bitwise, and the row's logits are
+    those of a catch-up of its one token alone."""
+    from tailserve.speculative.proposer import ProposalInput
+
+    path, _ = llama_checkpoint
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=4 << 20, speculative_model=str(draft_checkpoint),
+              num_speculative_tokens=4, speculative_draft_numpy=False, attention_backend=backend)
+    prop = llm.engine.proposer
+    assert prop.scratch_slot == llm.engine.core.worker.num_blocks * 16
+    g = torch.Generator().manual_seed(12)
+    seqs = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (21, 40)]
+    tables = [[0, 1], [2, 3, 4]]
+    prop._forward(seqs, [0, 0], tables, [False, False])
+    for layer in prop.kv_caches:  # the values first computed for row 0's second-to-last token: marked
+        layer[:, 1, 3] += 1.0  # position 19: block 1 (of table [0, 1]), offset 3
+    before = [c.clone() for c in prop.kv_caches]
+    inputs = [ProposalInput("a", seqs[0], len(seqs[0]) - 1, len(seqs[0]), tables[0], 4, GREEDY, None),
+              ProposalInput("b", seqs[1], len(seqs[1]) - 2, len(seqs[1]), tables[1], 4, GREEDY, None)]
+    chain = prop._chain_slots(inputs)
+    logits = prop._chain_forward(inputs, chain, 0, [t for s in seqs for t in s[-2:]], 2, pad=[1, 0])
+    for a, b in zip(prop.kv_caches, before):
+        assert torch.equal(a[:, 1, 3], b[:, 1, 3])  # row 0's padded position 19: untouched
+    # Its real catch-up token (position 20) was written: past the first layer its K/V see the
+    # marked values at 19.
+    assert not torch.equal(prop.kv_caches[-1][:, 1, 4], before[-1][:, 1, 4])
+    alone = prop._forward([seqs[0][-1:]], [len(seqs[0]) - 1], tables[:1], [True])
+    torch.testing.assert_close(logits[:1], alone, rtol=1e-5, atol=1e-5)

@@ -268,7 +268,8 @@ class Worker:
         config = self.config
         if draft_model is not None and self.draft_plan is not None:
             plan = self.draft_plan
-            draft_caches = allocate_kv_caches(plan.arch, self.num_blocks, config.block_size,
+            # One block past num_blocks, as the target's: a scratch slot for writes nobody reads.
+            draft_caches = allocate_kv_caches(plan.arch, self.num_blocks + 1, config.block_size,
                                               draft_model.embed_tokens.dtype, self.device)
             # The NumPy step copies the plain weights, so it is built before the linear method
             # repacks them.
@@ -287,7 +288,8 @@ class Worker:
             proposer: Proposer = DraftModelProposer(draft_model, plan.arch, draft_caches, config.block_size,
                                                     self.device, self.runner.sampler.generator,
                                                     stop_margin=config.draft_stop_margin, single_step=single_step,
-                                                    attn_backend=draft_backend)
+                                                    attn_backend=draft_backend,
+                                                    scratch_slot=self.num_blocks * config.block_size)
             if config.speculative_method == "hybrid":
                 proposer = HybridProposer(proposer, NgramProposer(config.ngram_min, config.ngram_max),
                                           self.arch.vocab_size)

@@ -114,8 +114,11 @@ class DraftModelProposer:
     def __init__(self, model: LlamaFamilyModel, arch: ModelArchConfig, kv_caches: list[torch.Tensor],
                  block_size: int, device: torch.device, generator: torch.Generator,
                  stop_margin: float = 0.0, single_step: DraftStep | None = None,
-                 attn_backend: AttentionBackend | None = None) -> None:
+                 attn_backend: AttentionBackend | None = None, scratch_slot: int | None = None) -> None:
         self.model, self.arch, self.kv_caches = model, arch, kv_caches
+        # A cache slot outside every request's blocks: where a ragged catch-up's padding
+        # tokens write their K/V, so the cached values they repeat stay bitwise as they were.
+        self.scratch_slot = scratch_slot
         # A backend for the batched forwards (the CPU's decode kernel); None: the reference's
         # metadata, and for the chain the slot tables computed once per round.
         self.attn_backend = attn_backend
@@ -150,14 +153,21 @@ class DraftModelProposer:
         q = max(i.num_valid - i.num_seen for i in catch_up)
         steady = q <= _CHAIN_MAX_CATCH_UP and all(
             i.k > 0 and i.num_valid == len(i.all_token_ids) >= q for i in catch_up)
+        if steady and (self.arch.sliding_window is not None or self.scratch_slot is None):
+            # Padding needs the scratch slot and the chain's own metadata (a sliding-window
+            # draft takes the general builder): ragged rounds go the general way there.
+            steady = all(i.num_valid - i.num_seen == q for i in catch_up)
         if steady:
             # The usual catch-ups: one token after a rejection, two (the last draft and the
             # bonus) after a fully accepted round. Rows that need fewer than the longest are
-            # fed their last q tokens all the same: the extra ones were seen already, and
-            # recomputing them rewrites their K/V slots with the same values (same tokens,
-            # positions and context). One batched chain forward instead of the general path.
+            # fed their last q tokens all the same (the extra ones were seen already): one
+            # batched chain forward instead of the general path. The extra tokens write their
+            # K/V to the scratch slot, so the cache keeps the values first computed for them
+            # and a row's drafts do not depend on what shares its round.
             chain = self._chain_slots(catch_up)
-            logits = self._chain_forward(catch_up, chain, 0, [t for i in catch_up for t in i.all_token_ids[-q:]], q)
+            pad = [q - (i.num_valid - i.num_seen) for i in catch_up]
+            logits = self._chain_forward(catch_up, chain, 0, [t for i in catch_up for t in i.all_token_ids[-q:]], q,
+                                         pad=pad if any(pad) else None)
         else:
             logits = self._forward(
                 [i.all_token_ids[i.num_seen : i.num_valid] for i in catch_up],
@@ -217,7 +227,7 @@ class DraftModelProposer:
         return _Chain({i.request_id: r for r, i in enumerate(active)}, table, lens, cos, sin)
 
     def _chain_forward(self, active: list[ProposalInput], chain: _Chain, step: int, tokens: list[int],
-                       query_len: int = 1) -> torch.Tensor:
+                       query_len: int = 1, pad: list[int] | None = None) -> torch.Tensor:
         """One forward of the chain: ``query_len`` tokens per active row (row-major in
         ``tokens``), ending at position len + step - 1; logits of each row's last token,
         in the model's dtype (greedy drafts take their argmax; sampling converts)."""
@@ -249,6 +259,11 @@ class DraftModelProposer:
             uniform = all(c == width for c in ctx)
             meta = decode_metadata(slot_mapping, kv_slots, None if uniform else
                                    torch.tensor(ctx, dtype=torch.long, device=self.device), query_len)
+        if pad is not None and self.scratch_slot is not None:
+            # Row r's first pad[r] tokens only repeat cached ones: their writes go to scratch.
+            for r, n in enumerate(pad):
+                if n:
+                    meta.slot_mapping[r * query_len : r * query_len + n] = self.scratch_slot
         # Positions only select rotary rows, which this round already looked up.
         hidden = self.model.forward(torch.tensor(tokens, device=self.device), None, self.kv_caches, meta,
                                     rope=(cos, sin))
