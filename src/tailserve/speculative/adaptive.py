@@ -140,7 +140,6 @@ class AdaptiveSpeculation:
     _explore_left: int = 0
     _explore_k: int = 0
     _explore_turn: int = 0
-    _model_k: int = 0  # the cost model's choice, before the measured check
     # Per batch bucket: exploration interval multiplier (doubles, up to max_backoff, while the
     # explorations keep confirming speculation off there) and steps since its last one.
     max_backoff: int = 8
@@ -259,7 +258,6 @@ class AdaptiveSpeculation:
             self._explore_left -= 1
             return self._set(self._explore_k, num_decoding)
         model_k, best_pos = self._model_choice(num_decoding)
-        self._model_k = model_k
         bkt = self.bucket(num_decoding)
         since = self._since_explore.get(bkt, 0) + 1
         self._since_explore[bkt] = since
