@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (model/cpu_kernels): compact-weight products with float32
+"""The compiled CPU kernels (kernels/cpu): compact-weight products with float32
 arithmetic, the build and its fallbacks, and the linear methods that use them."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tailserve.model import cpu_kernels
+from tailserve.kernels import cpu as cpu_kernels
 from tailserve.model.linear import Int8WeightOnlyLinearMethod, Linear, select_linear_method
 from tailserve.model.loader import load_model
 

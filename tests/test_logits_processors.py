@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tailserve import LLM, SamplingParams
-from tailserve.engine.logits_processors import apply_logits_processors
 from tailserve.errors import InvalidRequestError
+from tailserve.sample.logits_processors import apply_logits_processors
 
 
 def _oracle(logits, params, prompt, output):

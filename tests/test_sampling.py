@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tailserve import LLM, SamplingParams
-from tailserve.engine.sampler import SamplingTensors, filtered_probs
+from tailserve.sample.sampler import SamplingTensors, filtered_probs
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +112,7 @@ def test_filtered_probs_top_p_min_p():
 
 def test_sampling_follows_the_distribution():
     """Empirical frequencies of the inverse-CDF sampler match p (fixed seed, 4 sigma)."""
-    from tailserve.engine.sampler import Sampler
+    from tailserve.sample.sampler import Sampler
 
     p = torch.tensor([0.5, 0.3, 0.15, 0.05])
     n = 20000
@@ -125,7 +125,7 @@ def test_sampling_follows_the_distribution():
 
 
 def test_fast_argmax_equals_torch_argmax_including_ties():
-    from tailserve.engine.sampler import fast_argmax
+    from tailserve.sample.sampler import fast_argmax
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(9, 32000, generator=g)
@@ -170,7 +170,7 @@ def test_top_k_top_p_from_partial_topk_equal_a_full_sort(scale):
 
 
 def test_inverse_cdf_never_draws_a_token_of_probability_zero():
-    from tailserve.engine.sampler import sample_from_probs
+    from tailserve.sample.sampler import sample_from_probs
 
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0, 2.0], [1.0, 0.0, 0.0, 0.0, 0.0]])
     edges = torch.tensor([0.0, 0.5, 1.0 - 2 ** -53], dtype=torch.float64)

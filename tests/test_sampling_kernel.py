@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tailserve import SamplingParams
-from tailserve.engine.sampler import SamplingTensors, _cutoffs, filtered_probs
-from tailserve.model.cpu_kernels import kernels, unavailable_reason
+from tailserve.kernels.cpu import kernels, unavailable_reason
+from tailserve.sample.sampler import SamplingTensors, _cutoffs, filtered_probs
 
 K = kernels()
 pytestmark = pytest.mark.skipif(K is None, reason=f"no compiled CPU kernels: {unavailable_reason()}")

@@ -161,7 +161,7 @@ def test_sampled_tokens_match_exact_target_distribution(tmp_path, method):
     from draft proposals verified by rejection sampling) follow the target's own
     probabilities, computed exactly from its logits. Draft chains stop early on unsure
     drafts. Hybrid: n-gram (one-hot q) and model drafts mixed in the same batches."""
-    from tailserve.engine.sampler import SamplingTensors, filtered_probs
+    from tailserve.sample.sampler import SamplingTensors, filtered_probs
 
     target_path, target = _tiny_vocab_model(tmp_path, "target", seed=0)
     draft_path, _ = _tiny_vocab_model(tmp_path, "draft", seed=1)
@@ -338,7 +338,7 @@ def test_draft_chain_through_the_cpu_decode_kernel_matches_the_reference(llama_c
     included, and the catch-up of a row that needs one token fed two (the engine's ragged
     round: the extra token's K/V is rewritten with the same values)."""
     from tailserve.attention.cpu_decode import CpuDecodeBackend
-    from tailserve.model.cpu_kernels import kernels
+    from tailserve.kernels.cpu import kernels
     from tailserve.speculative.proposer import ProposalInput
 
     if kernels() is None:
@@ -372,7 +372,7 @@ def test_builtin_bf16_draft_runs_on_compact_weights_and_stays_exact():
     compact bf16 weights through the compiled kernels, not in NumPy; greedy output equals
     the target's alone at batch 1 and 4, and sampled output keeps a seeded request's tokens
     whatever shares its batch."""
-    from tailserve.model.cpu_kernels import kernels
+    from tailserve.kernels.cpu import kernels
     from tailserve.model.linear import CpuCompactWeightsLinearMethod
 
     if kernels() is None:

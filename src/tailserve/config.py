@@ -84,7 +84,7 @@ class EngineConfig:
     # Weight-only quantisation of the target's projections and LM head: None or "int8"
     # (model/linear.py Int8WeightOnlyLinearMethod). The draft model keeps its own precision.
     quantization: str | None = None
-    # Compiled CPU kernels (model/cpu_kernels: compact-weight products for decode, built with
+    # Compiled CPU kernels (kernels/cpu: compact-weight products for decode, built with
     # the system C compiler on first use): for int8 weights with float32 activations, and for
     # a bf16/fp16 checkpoint that --dtype auto computes in float32. False: PyTorch's kernels.
     cpu_kernels: bool = True

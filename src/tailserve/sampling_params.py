@@ -42,7 +42,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
-    # Penalties as OpenAI and vLLM define them (engine/logits_processors.py): presence and
+    # Penalties as OpenAI and vLLM define them (sample/logits_processors.py): presence and
     # frequency over the generated tokens, repetition over prompt and generated tokens.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

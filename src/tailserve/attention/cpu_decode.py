@@ -3,7 +3,7 @@ reference.
 
 A step whose sequences have at most ``MAX_QUERY_LEN`` new tokens each (decodes, the common
 step at any batch size, and speculative verification) is attended by
-``tailserve_paged_decode_attention`` (model/cpu_kernels/gemv_avx2.c), one kernel row per new
+``tailserve_paged_decode_attention`` (kernels/cpu/gemv_avx2.c), one kernel row per new
 token: the new K/V written into their slots, then each row walks its sequence's block table
 up to its own position, with no gathered copy of the context and no mask. Measured on a 2-core AVX2 machine at
 a 200-token context: ~230 us per layer through the reference's gather and SDPA, against a few
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from tailserve.attention.reference import AttentionMetadata, TorchReferenceBackend
-from tailserve.model.cpu_kernels import CpuKernels
+from tailserve.kernels.cpu import CpuKernels
 
 
 @dataclass
@@ -44,7 +44,7 @@ class CpuDecodeMetadata:
     def kernel_step(self, block_size: int):
         """The step's tables as the fused decode layer takes them (built once per step)."""
         if self._step is None:
-            from tailserve.model.cpu_kernels import StepStruct
+            from tailserve.kernels.cpu import StepStruct
 
             self._step = StepStruct(self.block_tables.data_ptr(), self.block_tables.stride(0),
                                     self.seq_lens.data_ptr(), self.slot_mapping.data_ptr(),

@@ -210,7 +210,7 @@ class LLMEngine:
     # -- figures ---------------------------------------------------------------------------
     def kv_figures(self) -> KVCacheFigures:
         """The KV cache's figures right now (a pass over the blocks: not for every step)."""
-        return KVCacheFigures.from_scheduler(self.core.scheduler, self.core.worker.kv_bytes_per_block)
+        return self.core.scheduler.kv_figures(self.core.worker.kv_bytes_per_block)
 
     def metrics_exposition(self, num_waiting: int | None = None) -> bytes:
         """Prometheus text with the live gauges refreshed (``num_waiting`` from a caller

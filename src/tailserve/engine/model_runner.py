@@ -22,14 +22,14 @@ import torch
 
 from tailserve.attention.backend import AttentionBackend, DecodeGraph
 from tailserve.attention.reference import TorchReferenceBackend
-from tailserve.engine.logits_processors import apply_logits_processors
-from tailserve.engine.sampler import Sampler, SamplingTensors, fast_argmax
 from tailserve.engine.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from tailserve.model.config import ModelArchConfig
 from tailserve.model.llama import LlamaFamilyModel
+from tailserve.sample.logits_processors import apply_logits_processors
+from tailserve.sample.rejection import RejectionSampler, greedy_rows
+from tailserve.sample.sampler import Sampler, SamplingTensors, fast_argmax
 from tailserve.sampling_params import SamplingParams
 from tailserve.speculative.proposer import DraftModelProposer, HybridProposer, NgramProposer, ProposalInput
-from tailserve.speculative.rejection_sampler import RejectionSampler, greedy_rows
 
 Proposer = DraftModelProposer | HybridProposer | NgramProposer
 

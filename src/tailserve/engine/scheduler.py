@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import deque
+from collections import Counter, deque
 
 from tailserve.config import SchedulerConfig
 from tailserve.engine.request import Request, RequestStatus
@@ -48,6 +48,7 @@ from tailserve.engine.scheduler_output import (
     SchedulerOutput,
 )
 from tailserve.memory.block_pool import BlockPool
+from tailserve.memory.kv_figures import KVCacheFigures
 from tailserve.speculative.adaptive import AdaptiveSpeculation
 from tailserve.speculative.stats import SpecDecodeStats
 
@@ -77,6 +78,26 @@ class Scheduler:
         if speculation is not None:
             self.seeded_k = speculation.fixed_k or max(1, speculation.k_max // 2)
         self.spec_stats = SpecDecodeStats()
+
+    def kv_figures(self, bytes_per_block: int) -> KVCacheFigures:
+        """The KV cache's figures now (a pass over the blocks and the requests)."""
+        pool = self.pool
+        running = self.running
+        # Holders per block, from the requests (the pool's ref counts also include sources
+        # held for a fork's pending copy).
+        holders = Counter(b for r in self.requests.values() for b in r.block_ids)
+        ps = pool.stats
+        return KVCacheFigures(
+            block_size=pool.block_size, num_blocks=pool.num_blocks, num_used_blocks=pool.num_used_blocks,
+            num_cached_blocks=sum(1 for b in pool.blocks if b.block_hash is not None and b.ref_count == 0),
+            num_live_tokens=sum(r.num_computed_tokens for r in running),
+            num_allocated_slots=sum(len(r.block_ids) for r in running) * pool.block_size,
+            prefix_queries_tokens=ps.queries_tokens, prefix_hits_tokens=ps.hits_tokens,
+            prefix_queries_requests=ps.queries_requests, prefix_hits_requests=ps.hits_requests,
+            num_evictions=ps.evictions, num_preemptions=self.num_preemptions, bytes_per_block=bytes_per_block,
+            num_shared_blocks=sum(1 for n in holders.values() if n > 1),
+            num_block_references=sum(holders.values()),
+            num_forks=self.num_forks, num_fork_shared_blocks=self.num_fork_shared_blocks)
 
     # -- queue management -----------------------------------------------------------------
     def add_request(self, request: Request) -> None:

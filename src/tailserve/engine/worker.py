@@ -25,11 +25,11 @@ from tailserve.config import (
 from tailserve.engine.model_runner import ModelRunner, Proposer
 from tailserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tailserve.errors import ConfigError, TailserveError
+from tailserve.kernels import cpu as cpu_kernels
 from tailserve.memory.allocator.control import apply_alloc_conf
 from tailserve.memory.allocator.snapshot import start_recording
 from tailserve.memory.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from tailserve.memory.kv_sizing import CudaMemory, DeviceMemory, MemoryProfile, num_blocks_from_profile, profile_memory
-from tailserve.model import cpu_kernels
 from tailserve.model.config import ModelArchConfig, load_arch_config, parse_dtype
 from tailserve.model.linear import SINGLE, TensorParallel, select_linear_method
 from tailserve.model.llama import TORCH_OPS, KernelLayerOps, LayerOps, LlamaFamilyModel, fuse_decode_layers
@@ -58,7 +58,7 @@ def plan_draft(config: EngineConfig, device: torch.device, target_dtype: torch.d
     draft_dir = pathlib.Path(resolve_model_path(config.speculative_model, draft=True))
     arch = load_arch_config(draft_dir)
     # A bf16/fp16 draft checkpoint on a CPU with the compiled kernels runs in float32 over its
-    # compact weights (model/cpu_kernels), single sequences included: measured on the built-in
+    # compact weights (kernels/cpu), single sequences included: measured on the built-in
     # pair at batch 1 (docs/benchmarks.md), greedy 352 tok/s against 291 with the NumPy step.
     compact = (device.type == "cpu" and config.cpu_kernels and arch.dtype in (torch.bfloat16, torch.float16)
                and config.speculative_draft_dtype in ("auto", "float32") and cpu_kernels.kernels() is not None)

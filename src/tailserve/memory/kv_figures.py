@@ -16,14 +16,13 @@ Shared blocks (prefix hits, and the prompt blocks of parallel samples) count onc
 block in the block figures and once per holder in the token figures, as each holder
 attends to them; ``blocks_saved_by_sharing`` is what sharing saves right now: the blocks
 the holders would need on their own beyond those allocated.
+
+Plain data: the scheduler builds it (``Scheduler.kv_figures``), the metrics read it.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import asdict, dataclass
-
-from tailserve.engine.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -86,23 +85,3 @@ class KVCacheFigures:
                      "bytes_saved_by_sharing"):
             d[name] = getattr(self, name)
         return d
-
-    @classmethod
-    def from_scheduler(cls, scheduler: Scheduler, bytes_per_block: int) -> KVCacheFigures:
-        pool = scheduler.pool
-        running = scheduler.running
-        # Holders per block, from the requests (the pool's ref counts also include sources
-        # held for a fork's pending copy).
-        holders = Counter(b for r in scheduler.requests.values() for b in r.block_ids)
-        ps = pool.stats
-        return cls(
-            block_size=pool.block_size, num_blocks=pool.num_blocks, num_used_blocks=pool.num_used_blocks,
-            num_cached_blocks=sum(1 for b in pool.blocks if b.block_hash is not None and b.ref_count == 0),
-            num_live_tokens=sum(r.num_computed_tokens for r in running),
-            num_allocated_slots=sum(len(r.block_ids) for r in running) * pool.block_size,
-            prefix_queries_tokens=ps.queries_tokens, prefix_hits_tokens=ps.hits_tokens,
-            prefix_queries_requests=ps.queries_requests, prefix_hits_requests=ps.hits_requests,
-            num_evictions=ps.evictions, num_preemptions=scheduler.num_preemptions, bytes_per_block=bytes_per_block,
-            num_shared_blocks=sum(1 for n in holders.values() if n > 1),
-            num_block_references=sum(holders.values()),
-            num_forks=scheduler.num_forks, num_fork_shared_blocks=scheduler.num_fork_shared_blocks)

@@ -9,15 +9,36 @@ Exact and sketch percentiles are in ``tailserve.metrics.quantiles``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from tailserve.metrics.timeline import RequestMetrics, StepStats
 
-if TYPE_CHECKING:
-    from tailserve.memory.kv_figures import KVCacheFigures
+
+class KVGaugeSource(Protocol):
+    """What ``observe_kv`` reads (``memory.kv_figures.KVCacheFigures`` has it; metrics sit
+    below memory, so they name the fields, not the class)."""
+
+    num_blocks: int
+    num_cached_blocks: int
+    num_shared_blocks: int
+    prefix_queries_requests: int
+    prefix_hits_requests: int
+    num_evictions: int
+
+    @property
+    def block_utilization(self) -> float: ...
+
+    @property
+    def token_utilization(self) -> float: ...
+
+    @property
+    def internal_fragmentation(self) -> float: ...
+
+    @property
+    def blocks_saved_by_sharing(self) -> int: ...
 
 
 def latency_buckets(lo: float = 5e-4, hi: float = 600.0, factor: float = 1.25) -> list[float]:
@@ -192,7 +213,7 @@ class PrometheusMetrics:
             self._c["prefix_hits"].inc(prefix_hits_total - self._last_hits)
             self._last_hits = prefix_hits_total
 
-    def observe_kv(self, fig: KVCacheFigures) -> None:
+    def observe_kv(self, fig: KVGaugeSource) -> None:
         """The KV cache's figures right now (at a scrape: they cost a pass over the blocks)."""
         c = self._c
         c["kv_usage"].set(fig.block_utilization)

@@ -167,7 +167,7 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
         self._kernel_ok: dict[tuple[torch.dtype, str], bool] = {}
         self.cpu_kernels = None
         if cpu_kernels and device is not None and device.type == "cpu":
-            from tailserve.model.cpu_kernels import kernels
+            from tailserve.kernels.cpu import kernels
 
             self.cpu_kernels = kernels()
 
@@ -224,7 +224,7 @@ class CpuCompactWeightsLinearMethod(LinearMethod):
     Widening bf16 or fp16 to float32 is exact, so the products are those of the float32
     model, in half its weight bytes: a decode step's time is its weight bytes over the memory
     bandwidth. Batches of up to ``SMALL_BATCH`` rows go through the compiled kernel
-    (model/cpu_kernels); larger ones (prefill chunks, whose products are compute-bound) widen
+    (kernels/cpu); larger ones (prefill chunks, whose products are compute-bound) widen
     the weight once per call and use PyTorch's float32 kernel. A layer whose weights do not
     round-trip exactly (a checkpoint that stores float32 under a bf16 config) keeps float32."""
 
@@ -232,7 +232,7 @@ class CpuCompactWeightsLinearMethod(LinearMethod):
     SMALL_BATCH = 16
 
     def __init__(self, weight_dtype: torch.dtype, keep_float32: bool = False) -> None:
-        from tailserve.model.cpu_kernels import kernels
+        from tailserve.kernels.cpu import kernels
 
         self.weight_dtype = weight_dtype
         # Also keep the float32 weight for batches above SMALL_BATCH instead of widening per
@@ -282,7 +282,7 @@ def select_linear_method(device: torch.device, cpu_onednn: bool, quantization: s
     if quantization is not None:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {quantization!r}")
     if compact_weights is not None and device.type == "cpu" and cpu_kernels:
-        from tailserve.model.cpu_kernels import kernels
+        from tailserve.kernels.cpu import kernels
 
         if kernels() is not None:
             return CpuCompactWeightsLinearMethod(compact_weights, keep_float32)

@@ -62,7 +62,7 @@ TORCH_OPS = LayerOps()
 
 
 class KernelLayerOps(LayerOps):
-    """The same float32 arithmetic in one compiled pass each (model/cpu_kernels): PyTorch
+    """The same float32 arithmetic in one compiled pass each (kernels/cpu): PyTorch
     spends 15-30 us per operation on a small CPU whatever its size. The residual stream is
     updated in place. Float32 CPU models only (the worker decides at load time)."""
 
@@ -93,7 +93,7 @@ class FusedDecodeLayer:
 
     def __init__(self, kernels, layer: DecoderLayer, fmt: int, weights: list[torch.Tensor],
                  scales: list[torch.Tensor | None]) -> None:
-        from tailserve.model.cpu_kernels import LayerStruct
+        from tailserve.kernels.cpu import LayerStruct
 
         attn = layer.self_attn
         self.kernels = kernels
@@ -122,7 +122,7 @@ def fuse_decode_layers(model: LlamaFamilyModel, kernels) -> int:
     many qualified. A layer qualifies when its four projections keep compact weights for the
     compiled kernel (bf16, fp16, or int8 with float row scales), none has a bias, and it has
     no q/k norms (Llama, Mistral, Qwen2 without biases)."""
-    from tailserve.model.cpu_kernels import WEIGHT_FORMATS
+    from tailserve.kernels.cpu import WEIGHT_FORMATS
     from tailserve.model.linear import CpuCompactWeightsLinearMethod, Int8WeightOnlyLinearMethod
 
     count = 0

@@ -15,9 +15,9 @@ import torch
 
 from tailserve.attention.backend import AttentionBackend
 from tailserve.attention.reference import build_attention_metadata, decode_metadata
-from tailserve.engine.sampler import SamplingTensors, fast_argmax, filtered_probs, row_uniforms, sample_from_probs
 from tailserve.model.config import ModelArchConfig
 from tailserve.model.llama import LlamaFamilyModel
+from tailserve.sample.sampler import SamplingTensors, fast_argmax, filtered_probs, row_uniforms, sample_from_probs
 from tailserve.sampling_params import SamplingParams
 from tailserve.speculative.draft_step import DraftStep, NumpyStepAdapter, TorchDraftStep
 from tailserve.speculative.numpy_draft import NumpyDraftStep

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from tailserve.engine.sampler import SamplingTensors, fast_argmax, filtered_probs, sample_from_probs
+from tailserve.sample.sampler import SamplingTensors, fast_argmax, filtered_probs, sample_from_probs
 
 
 def acceptance_probability(px: torch.Tensor, qx: torch.Tensor) -> torch.Tensor:

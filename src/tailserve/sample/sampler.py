@@ -9,7 +9,7 @@ V exponentials per row, 0.44 ms for 4 x 4096 on a 2-core CPU, more than the whol
 filtered softmax.
 
 top-k / top-p keep the logits at or above each row's cut-off. On the CPU with the compiled
-kernels the cut-off comes from a quickselect (model/cpu_kernels), not from a sort of the
+kernels the cut-off comes from a quickselect (kernels/cpu), not from a sort of the
 whole vocabulary (PyTorch's: 1.1 ms for 4 x 4096 on the same CPU).
 
 ``filtered_probs`` is shared with the speculative-decoding rejection sampler: p and q
@@ -26,7 +26,7 @@ import torch
 from tailserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from tailserve.model.cpu_kernels import CpuKernels
+    from tailserve.kernels.cpu import CpuKernels
 
 _ARGMAX_CHUNK = 128
 _PLAIN_ARGMAX_MAX = 24 * 1024
