@@ -30,7 +30,8 @@ from eval_default_models import WINDOW, held_out_texts, window_logits
 
 from tailserve import LLM, SamplingParams
 from tailserve.assets import DEFAULT_TARGET_DIR
-from tailserve.model.linear import select_linear_method
+from tailserve.kernels import cpu as cpu_kernels
+from tailserve.model.linear import build_linear_method, onednn_available
 from tailserve.model.loader import load_model
 from tailserve.model.tokenizer import Tokenizer
 from tailserve.platform_info import resolve_auto_dtype
@@ -38,9 +39,10 @@ from tailserve.platform_info import resolve_auto_dtype
 
 def accuracy(dtype: torch.dtype, windows: int) -> dict[str, float]:
     tok = Tokenizer(DEFAULT_TARGET_DIR)
-    cpu = torch.device("cpu")
-    plain, cfg = load_model(DEFAULT_TARGET_DIR, dtype, linear_method=select_linear_method(cpu, True))
-    q8, _ = load_model(DEFAULT_TARGET_DIR, dtype, linear_method=select_linear_method(cpu, True, "int8"))
+    plain_method = build_linear_method("onednn-packed" if onednn_available() else "plain")
+    plain, cfg = load_model(DEFAULT_TARGET_DIR, dtype, linear_method=plain_method)
+    q8_method = build_linear_method("int8-weight-only", cpu_kernels.kernels())
+    q8, _ = load_model(DEFAULT_TARGET_DIR, dtype, linear_method=q8_method)
     ids: list[int] = []
     for _, text in held_out_texts():
         ids += [*tok.encode(text), tok.eos_token_id or 1]

@@ -117,6 +117,30 @@ def llama_checkpoint(tiny_checkpoint):
 
 
 @pytest.fixture(scope="session")
+def engine_cache():
+    """engine_cache(**llm_kwargs) -> an ``LLM``, one per distinct configuration for the whole
+    session (tests that only read or generate share it instead of loading their own)."""
+    from tailserve import LLM
+    from tailserve.config import EngineConfig
+
+    cache: dict[EngineConfig, object] = {}
+
+    def get(**kwargs):
+        key = EngineConfig(model=str(kwargs.pop("model", None) or "builtin"), **kwargs)
+        if key not in cache:
+            cache[key] = LLM(key.model, **kwargs)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def llm_builtin_spec(engine_cache):
+    """The built-in pair with draft-model speculation (k fixed at 3), shared by the session."""
+    return engine_cache(speculative_model="builtin", num_speculative_tokens=3)
+
+
+@pytest.fixture(scope="session")
 def noisy_draft(tmp_path_factory):
     """The tiny Llama's weights plus noise: a draft that agrees often but not always, so both
     acceptance and rejection (with KV rollback) are exercised."""

@@ -59,6 +59,8 @@ def test_engine_config_and_cli_reject_bad_values(clean_env, llama_checkpoint):
         LLM(str(path), cuda_alloc_conf="max_split_size_mb:1")
     with pytest.raises(ConfigError, match="gpu_memory_utilization"):
         LLM(str(path), gpu_memory_utilization=1.5)
+    with pytest.raises(ConfigError, match="cuda_memory_fraction"):
+        LLM(str(path), cuda_memory_fraction=0.0)
     out = subprocess.run([sys.executable, "-m", "tailserve", "generate", "--model", str(path), "--cuda-alloc-conf",
                           "roundup_power2_divisions:3", "x"], capture_output=True, text=True, timeout=120,
                          env={k: v for k, v in os.environ.items() if k != ENV})
@@ -69,7 +71,7 @@ def test_engine_config_and_cli_reject_bad_values(clean_env, llama_checkpoint):
 def test_in_force_settings_in_the_info_metric(clean_env, llama_checkpoint):
     path, _ = llama_checkpoint
     llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=4 << 20,
-              cuda_alloc_conf="max_split_size_mb:64,garbage_collection_threshold:0.6", gpu_memory_utilization=0.9)
+              cuda_alloc_conf="max_split_size_mb:64,garbage_collection_threshold:0.6", cuda_memory_fraction=0.9)
     text = llm.engine.metrics_exposition().decode()
     line = next(x for x in text.splitlines() if x.startswith("tailserve:cuda_alloc_conf_info{"))
     assert 'conf="max_split_size_mb:64,garbage_collection_threshold:0.6"' in line

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tailserve.kernels import cpu as cpu_kernels
-from tailserve.model.linear import Int8WeightOnlyLinearMethod, Linear, select_linear_method
+from tailserve.model.linear import Int8WeightOnlyLinearMethod, Linear, build_linear_method
 from tailserve.model.loader import load_model
 
 KERNELS = cpu_kernels.kernels()
@@ -102,8 +102,8 @@ def test_compact_weights_give_the_float32_model_of_a_bf16_checkpoint(tmp_path, k
     # A model of its own: saving in bf16 rounds the weights of the model it is given.
     path = save_checkpoint(build_hf_model(kind), tmp_path / "bf16", dtype=torch.bfloat16)
     cpu = torch.device("cpu")
-    full, cfg = load_model(path, torch.float32, linear_method=select_linear_method(cpu, True))
-    method = select_linear_method(cpu, True, compact_weights=torch.bfloat16)
+    full, cfg = load_model(path, torch.float32, linear_method=build_linear_method("plain"))
+    method = build_linear_method("cpu-compact-weights", KERNELS, torch.bfloat16)
     assert method.name == "cpu-compact-weights"
     compact, _ = load_model(path, torch.float32, linear_method=method)
     linears = [m for m in compact.modules() if isinstance(m, Linear)]
@@ -148,7 +148,7 @@ def test_int8_with_float32_activations_uses_the_compiled_kernel_for_small_batche
     layer = Linear(36, 64, True)
     layer.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
     layer.bias = torch.nn.Parameter(b.clone(), requires_grad=False)
-    layer.set_method(Int8WeightOnlyLinearMethod(torch.device("cpu")))
+    layer.set_method(Int8WeightOnlyLinearMethod(KERNELS))
     assert layer.scales_f32 is not None
     q, scales = Int8WeightOnlyLinearMethod.quantize(w)
     for rows in (1, 16):  # the kernel, float32 throughout: tight
@@ -219,7 +219,7 @@ def test_the_decode_attention_kernel_matches_the_reference(seed):
     cos, sin = rotary.lookup(positions)
     qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=1)
     fused = cache.clone()
-    got = meta.attend_rope(qkv, cos, sin, h, kvh, fused, d ** -0.5)
+    got = meta.attend_rope(qkv, rotary, cos, sin, h, kvh, fused, d ** -0.5)
     rot_ref = cache.clone()
     want = meta.attend(rotary.apply(q, cos, sin), rotary.apply(k, cos, sin), v, rot_ref, d ** -0.5)
     # Bitwise: the kernel rounds each product as PyTorch does (no FMA contraction), so a step
@@ -260,7 +260,7 @@ def test_weights_that_are_not_exactly_bf16_keep_float32():
     for w, want in ((exact, "cpu-compact-weights"), (exact + 1e-3, "onednn-packed")):
         layer = Linear(16, 64, False)
         layer.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
-        layer.set_method(CpuCompactWeightsLinearMethod(torch.bfloat16))
+        layer.set_method(CpuCompactWeightsLinearMethod(torch.bfloat16, KERNELS))
         assert layer.method.name in (want, "plain")
         x = torch.randn(2, 64)
         torch.testing.assert_close(layer.forward(x), F.linear(x, w), rtol=1e-5, atol=1e-5)

@@ -111,3 +111,39 @@ def test_hot_path_does_not_sniff_its_platform(module: str) -> None:
     text = (SRC / module).read_text()
     for needle in ("hasattr(meta", "isinstance(self.proposer", "isinstance(proposer"):
         assert needle not in text, f"{module} has {needle!r}"
+
+
+# Functions of the hot-path modules that run at load time, where a device check belongs.
+LOAD_TIME = {"__init__", "__post_init__", "capture", "capture_decode_graphs", "warm_up", "upcasts_attention"}
+
+
+def _device_type_checks(path: pathlib.Path) -> list[str]:
+    """``<x>.device.type`` / ``device.type`` / ``dev.type`` read inside a function that runs
+    per step (anything but the load-time functions above)."""
+    tree = ast.parse(path.read_text(), str(path))
+    found = []
+
+    def visit(node: ast.AST, func: str | None) -> None:
+        for child in ast.iter_child_nodes(node):
+            name = child.name if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) else func
+            if isinstance(child, ast.Attribute) and child.attr == "type" and func not in LOAD_TIME and func:
+                v = child.value
+                if (isinstance(v, ast.Attribute) and v.attr == "device") or (
+                        isinstance(v, ast.Name) and v.id in ("device", "dev")):
+                    found.append(f"{path.name}:{child.lineno} in {func}()")
+            visit(child, name)
+
+    visit(tree, None)
+    return found
+
+
+def test_hot_path_has_no_per_step_device_branch() -> None:
+    bad = [hit for module in HOT_PATH for hit in _device_type_checks(SRC / module)]
+    assert bad == []
+
+
+def test_the_device_check_finder_sees_one(tmp_path: pathlib.Path) -> None:
+    p = tmp_path / "m.py"
+    p.write_text("class A:\n    def __init__(self, d):\n        self.cpu = d.device.type == 'cpu'\n"
+                 "    def step(self, x):\n        return x.device.type == 'cpu'\n")
+    assert _device_type_checks(p) == ["m.py:5 in step()"]

@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from tailserve import LLM, SamplingParams
-from tailserve.model.linear import Int8WeightOnlyLinearMethod, Linear, select_linear_method
+from tailserve.config import EngineConfig
+from tailserve.errors import ConfigError
+from tailserve.model.linear import Int8WeightOnlyLinearMethod, Linear, build_linear_method
 from tailserve.model.loader import load_model
 
 
@@ -54,8 +56,10 @@ def test_the_product_is_that_of_the_dequantised_weight(dtype, rows):
 
 
 def test_an_unknown_quantization_is_refused():
-    with pytest.raises(ValueError, match="quantization"):
-        select_linear_method(torch.device("cpu"), True, "int4")
+    with pytest.raises(ConfigError, match="quantization"):
+        EngineConfig(model="builtin", quantization="int4")
+    with pytest.raises(ValueError, match="unknown linear method"):
+        build_linear_method("int4-weight-only")
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "llama_tied"])
@@ -64,8 +68,8 @@ def test_the_int8_model_stays_close_to_the_full_precision_one(tiny_checkpoint, k
     a small fraction of their spread, and most greedy choices are unchanged."""
     path, _ = tiny_checkpoint(kind)
     cpu = torch.device("cpu")
-    full, cfg = load_model(path, torch.float32, linear_method=select_linear_method(cpu, False))
-    q8, _ = load_model(path, torch.float32, linear_method=select_linear_method(cpu, False, "int8"))
+    full, cfg = load_model(path, torch.float32, linear_method=build_linear_method("plain"))
+    q8, _ = load_model(path, torch.float32, linear_method=build_linear_method("int8-weight-only"))
     linears = [m for m in q8.modules() if isinstance(m, Linear)]
     assert linears and all(m.method.name == "int8-weight-only" and m.qweight is not None for m in linears)
     from tailserve.attention.reference import build_attention_metadata

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tailserve.speculative import rejection_sampler as rs
+from tailserve.sample import rejection as rs
 
 V = 6
 N = 200_000

@@ -320,7 +320,7 @@ def test_draft_chain_fast_path_matches_the_general_forward(llama_checkpoint, dra
 def test_large_draft_stays_in_pytorch_by_default(llama_checkpoint, draft_checkpoint, monkeypatch):
     """Past NUMPY_DRAFT_MAX_PARAMETERS the NumPy step is not used unless asked for, and the
     draft keeps the target's dtype."""
-    import tailserve.engine.worker as engine_mod
+    import tailserve.engine.plan as engine_mod
 
     path, _ = llama_checkpoint
     kw = dict(dtype="bfloat16", kv_cache_memory_bytes=4 << 20, speculative_model=str(draft_checkpoint))

@@ -38,8 +38,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="PYTORCH_CUDA_ALLOC_CONF for this process, e.g. max_split_size_mb:128 (validated; applied "
                         "before CUDA initialises)")
     g.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="fraction of the GPU's memory this process may use (per-process memory fraction); "
-                        "without --kv-cache-memory the KV cache takes what it leaves after profiling (default 0.9)")
+                   help="share of the GPU's memory the engine plans for (vLLM's meaning): without "
+                        "--kv-cache-memory the KV cache takes what this share leaves after a profiling pass "
+                        "(default 0.9); it caps nothing by itself (see --cuda-memory-fraction)")
+    g.add_argument("--cuda-memory-fraction", type=float, default=None,
+                   help="hard cap on this process's CUDA memory (torch.cuda.set_per_process_memory_fraction); "
+                        "the allocator's garbage_collection_threshold acts only with one set")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="attention kernels: the PyTorch reference (auto, torch) or the paged Triton kernel "
                         "(needs pip install triton; tested in Triton's interpreter, not yet on a GPU)")
@@ -88,6 +92,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         attention_backend=args.attention_backend, quantization=args.quantization,
         enforce_eager=args.enforce_eager,
         cuda_alloc_conf=args.cuda_alloc_conf, gpu_memory_utilization=args.gpu_memory_utilization,
+        cuda_memory_fraction=args.cuda_memory_fraction,
         speculative_model=args.speculative_model, speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens, speculative_max_tokens=args.speculative_max_tokens,
         speculative_draft_dtype=args.speculative_draft_dtype,

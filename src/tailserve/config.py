@@ -122,12 +122,16 @@ class EngineConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     # PYTORCH_CUDA_ALLOC_CONF for this process (validated, applied before CUDA initialises;
-    # see memory/allocator/control.py), and the fraction of the GPU's memory the process may
-    # use (torch.cuda.set_per_process_memory_fraction; needed for garbage collection). Without
-    # kv_cache_memory_bytes, the KV cache takes what that fraction (default 0.9) leaves after
-    # a profiling pass of the largest step.
+    # see memory/allocator/control.py). Without kv_cache_memory_bytes, the KV cache takes what
+    # gpu_memory_utilization (default 0.9) leaves after a profiling pass of the largest step.
     cuda_alloc_conf: str | None = None
+    # One meaning, vLLM's: the share of the GPU's memory the engine plans for (weights,
+    # activations and the KV cache, which takes what is left after a profiling pass).
     gpu_memory_utilization: float | None = None
+    # A hard cap on this process's CUDA memory (torch.cuda.set_per_process_memory_fraction),
+    # separate from the planning share: the caching allocator's garbage_collection_threshold
+    # acts only with one set.
+    cuda_memory_fraction: float | None = None
     # At start-up, run the forward once per decode batch size (1..WARMUP_MAX_BATCH, at most
     # max_num_seqs) and per power-of-two prefill length (16..512, at most
     # max_num_batched_tokens), so the kernels' one-time costs per shape are not paid by the
@@ -212,6 +216,9 @@ class EngineConfig:
         u = self.gpu_memory_utilization
         if u is not None and (isinstance(u, bool) or not isinstance(u, int | float) or not 0.0 < u <= 1.0):
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
+        f = self.cuda_memory_fraction
+        if f is not None and (isinstance(f, bool) or not isinstance(f, int | float) or not 0.0 < f <= 1.0):
+            raise ConfigError(f"cuda_memory_fraction must be in (0, 1], got {f!r}")
         if self.cuda_alloc_conf is not None:
             from tailserve.memory.allocator.conf import parse_alloc_conf
 

@@ -31,7 +31,9 @@ import torch.nn.functional as F
 
 
 class LayerAttentionMetadata(Protocol):
-    """What a model layer sees: where to write this step's K/V and how to attend."""
+    """What a model layer sees: where to write this step's K/V and how to attend. One form
+    for every backend: whether the rotary embedding is applied inside the kernel or before
+    it is the metadata's business, and so is whether the step can run as fused layers."""
 
     slot_mapping: torch.Tensor
 
@@ -39,6 +41,50 @@ class LayerAttentionMetadata(Protocol):
                scale: float) -> torch.Tensor:
         """q (T, H, D), k/v (T, KVH, D), kv_cache (2, num_blocks, block_size, KVH, D) -> (T, H*D)."""
         ...
+
+    def attend_rope(self, qkv: torch.Tensor, rotary: RotateHalf, cos: torch.Tensor, sin: torch.Tensor,
+                    num_heads: int, num_kv_heads: int, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """From the fused QKV rows (T, (H + 2*KVH) * D) of a layer without q/k norms whose
+        rotary embedding rotates halves: rotate q and k, write K/V, attend. (T, H*D)."""
+        ...
+
+    def kernel_step(self, block_size: int) -> object | None:
+        """The step's tables as the fused decode layer takes them (kernels.cpu.StepStruct), or
+        None where this step's metadata is not the CPU decode kernel's."""
+        ...
+
+
+class RotateHalf(Protocol):
+    """The rotary embedding as attention metadata uses it (model/rope.py RotaryEmbedding)."""
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor: ...
+
+
+class RopeOutsideKernel:
+    """The metadata forms whose kernels take rotated q and k: ``attend_rope`` rotates q and k
+    (adjacent in the fused projection: one call) and attends; no fused decode layers."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def attend_rope(self, qkv: torch.Tensor, rotary: RotateHalf, cos: torch.Tensor, sin: torch.Tensor,
+                    num_heads: int, num_kv_heads: int, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        t, h, kvh = qkv.shape[0], num_heads, num_kv_heads
+        d = qkv.shape[1] // (h + 2 * kvh)
+        qk = rotary.apply(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), cos, sin)
+        v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
+        return self.attend(qk[:, :h], qk[:, h:], v, kv_cache, scale)
+
+    def kernel_step(self, block_size: int) -> object | None:
+        return None
+
+
+def upcasts_attention(device: torch.device) -> bool:
+    """Whether the reference kernels attend in float32 for a bf16/fp16 model: on the CPU,
+    PyTorch's attention kernels are several times slower in bf16/fp16 than in fp32 at these
+    sizes (measured: 128 us vs 27 us for one decode row). Decided once, per backend."""
+    return device.type == "cpu"
 
 
 @dataclass
@@ -72,7 +118,8 @@ class PersistentBuffers:
             "slot_mapping": np.zeros(max_num_batched_tokens, dtype=np.int64),
         }
         host_t = {k: torch.from_numpy(v) for k, v in self._host.items()}
-        if device.type == "cpu":
+        self._staged = device.type != "cpu"  # a host copy to send each step
+        if not self._staged:
             self._dev = host_t
         else:
             self._host_t = {k: v.pin_memory() if torch.cuda.is_available() else v for k, v in host_t.items()}
@@ -102,7 +149,7 @@ class PersistentBuffers:
             pos += q
         h["seq_lens"][:b] = context_lens
         np.cumsum([0, *query_lens], out=h["query_start_loc"][: b + 1])
-        if self.device.type != "cpu":
+        if self._staged:
             for k, v in self._dev.items():
                 v.copy_(self._host_t[k], non_blocking=True)
         d = self._dev
@@ -188,13 +235,14 @@ class StaticDecodeBuffers:
 
 
 @dataclass
-class StaticPagedDecodeMetadata:
+class StaticPagedDecodeMetadata(RopeOutsideKernel):
     """Decode metadata over static buffers, attended with fixed-shape tensor ops only (no
     host reads, no data-dependent shapes), so it can be captured in a CUDA graph. Reference
     arithmetic: gather every slot of the padded block tables, mask by sequence length."""
 
     buffers: StaticDecodeBuffers
     sliding_window: int | None = None
+    upcast: bool = False  # attend in float32 (upcasts_attention)
 
     @property
     def slot_mapping(self) -> torch.Tensor:
@@ -217,7 +265,7 @@ class StaticPagedDecodeMetadata:
         allowed = kv_pos < lens
         if self.sliding_window is not None:
             allowed &= kv_pos > lens - 1 - self.sliding_window
-        compute = torch.float32 if q.device.type == "cpu" else q.dtype
+        compute = torch.float32 if self.upcast else q.dtype
         mask = torch.zeros((b, 1, 1, c), dtype=compute, device=q.device).masked_fill_(~allowed[:, None, None, :],
                                                                                       float("-inf"))
         kg = k_cache[slots.view(-1)].view(b, c, kvh, d).transpose(1, 2).to(compute)  # (B, KVH, C, D)

@@ -10,8 +10,9 @@ a 200-token context: ~230 us per layer through the reference's gather and SDPA, 
 microseconds here (docs/benchmarks.md). Longer prefill chunks use the reference backend's
 metadata and kernels, unchanged.
 
-Float32 caches only, head sizes that are multiples of 8; the worker picks this backend for
-``--attention-backend auto`` on the CPU when the model is float32 and the kernels build.
+Float32 caches only, head sizes that are multiples of 8 up to 512; the execution plan
+(engine/plan.py) picks this backend for ``--attention-backend auto`` on the CPU when the model
+is float32 and the kernels build.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from tailserve.attention.reference import AttentionMetadata, TorchReferenceBackend
-from tailserve.kernels.cpu import CpuKernels
+from tailserve.kernels.cpu import CpuKernels, StepStruct
 
 
 @dataclass
@@ -44,17 +45,16 @@ class CpuDecodeMetadata:
     def kernel_step(self, block_size: int):
         """The step's tables as the fused decode layer takes them (built once per step)."""
         if self._step is None:
-            from tailserve.kernels.cpu import StepStruct
-
             self._step = StepStruct(self.block_tables.data_ptr(), self.block_tables.stride(0),
                                     self.seq_lens.data_ptr(), self.slot_mapping.data_ptr(),
                                     self.slot_mapping.shape[0], block_size, self.sliding_window or 0, self.max_ctx,
                                     torch.get_num_threads())
         return self._step
 
-    def attend_rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+    def attend_rope(self, qkv: torch.Tensor, rotary, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
                     num_kv_heads: int, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        """From the fused QKV rows: the rotary embedding (rotate-half) applied inside the kernel."""
+        """From the fused QKV rows: the rotary embedding (rotate-half, RotaryEmbedding.apply's
+        arithmetic) applied inside the kernel."""
         return self.kernels.rope_paged_decode_attention(qkv, cos, sin, num_heads, num_kv_heads, kv_cache,
                                                         self.block_tables, self.seq_lens, self.slot_mapping, scale,
                                                         self.sliding_window, self.max_ctx)
@@ -67,10 +67,6 @@ class CpuDecodeBackend(TorchReferenceBackend):
     def __init__(self, *args, kernels: CpuKernels, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.kernels = kernels
-
-    @staticmethod
-    def handles(head_dim: int, dtype: torch.dtype) -> bool:
-        return head_dim % 8 == 0 and head_dim <= 512 and dtype == torch.float32
 
     # Steps whose sequences have at most this many new tokens each go through the kernel: a
     # token at position p is one kernel row attending to positions <= p of its sequence (the

@@ -19,8 +19,10 @@ from tailserve.attention.backend import (
     AttentionBackend,
     PagedBatch,
     PersistentBuffers,
+    RopeOutsideKernel,
     StaticDecodeBuffers,
     StaticPagedDecodeMetadata,
+    upcasts_attention,
 )
 
 
@@ -43,10 +45,11 @@ class AttentionGroup:
 
 
 @dataclass
-class AttentionMetadata:
+class AttentionMetadata(RopeOutsideKernel):
     slot_mapping: torch.Tensor  # (T,) where each new token's K/V is written
     groups: list[AttentionGroup]
     num_tokens: int
+    upcast: bool = False  # attend in float32 whatever the model's dtype (upcasts_attention)
     # Set by TorchReferenceBackend.build: what ``paged`` fills the persistent buffers from.
     _paged_source: tuple | None = field(default=None, repr=False)
     _paged: PagedBatch | None = field(default=None, repr=False)
@@ -77,6 +80,7 @@ def build_attention_metadata(
     block_size: int,
     sliding_window: int | None,
     device: torch.device,
+    upcast: bool | None = None,
 ) -> AttentionMetadata:
     """Metadata for a flat batch whose sequence i contributes query_lens[i] tokens, the last
     of which sits at position context_lens[i] - 1 (context includes the new tokens)."""
@@ -99,7 +103,9 @@ def build_attention_metadata(
             groups.append(_build_group(ids, query_lens, context_lens, block_tables, block_size, starts,
                                        num_tokens, sliding_window, device))
     slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
-    return AttentionMetadata(slot_mapping=slot_mapping, groups=groups, num_tokens=num_tokens)
+    if upcast is None:  # backends and proposers pass their own, decided once
+        upcast = upcasts_attention(device)
+    return AttentionMetadata(slot_mapping=slot_mapping, groups=groups, num_tokens=num_tokens, upcast=upcast)
 
 
 def _build_group(ids, query_lens, context_lens, block_tables, block_size, starts, num_tokens,
@@ -160,7 +166,8 @@ def _build_group(ids, query_lens, context_lens, block_tables, block_size, starts
 
 
 def decode_metadata(slot_mapping: torch.Tensor, kv_slots: torch.Tensor,
-                    context_lens: torch.Tensor | None, query_len: int = 1) -> AttentionMetadata:
+                    context_lens: torch.Tensor | None, query_len: int = 1,
+                    upcast: bool | None = None) -> AttentionMetadata:
     """Metadata for a batch of B rows of ``query_len`` tokens each whose context slots are
     already known: ``kv_slots`` (B, C); ``slot_mapping`` (B * query_len,), row-major;
     ``context_lens`` (B,) when the rows' contexts (after their new tokens) differ, None
@@ -176,7 +183,9 @@ def decode_metadata(slot_mapping: torch.Tensor, kv_slots: torch.Tensor,
         mask = (torch.arange(c, device=kv_slots.device)[None, None, :] < limit[:, :, None]).view(b, 1, query_len, c)
     group = AttentionGroup(q_index=slot_mapping, kv_slots=kv_slots, mask=mask, num_seqs=b, max_query_len=query_len,
                            valid=None, covers_batch=True)  # q_index is unused when covers_batch
-    return AttentionMetadata(slot_mapping=slot_mapping, groups=[group], num_tokens=b * query_len)
+    if upcast is None:
+        upcast = upcasts_attention(kv_slots.device)
+    return AttentionMetadata(slot_mapping=slot_mapping, groups=[group], num_tokens=b * query_len, upcast=upcast)
 
 
 def paged_attention(
@@ -195,10 +204,9 @@ def paged_attention(
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     gqa = h != kvh
-    # PyTorch's CPU attention kernels are several times slower in bf16/fp16 than in fp32 at
-    # these sizes (measured: 128 us vs 27 us for one decode row), so on the CPU the gathered
-    # q/K/V are upcast; the result is rounded back to the model dtype.
-    upcast = q.device.type == "cpu" and q.dtype != torch.float32
+    # On the CPU the gathered q/K/V are upcast (upcasts_attention); the result is rounded
+    # back to the model dtype.
+    upcast = meta.upcast and q.dtype != torch.float32
     out = None
     for g in meta.groups:
         b, qlen = g.num_seqs, g.max_query_len
@@ -241,15 +249,19 @@ class TorchReferenceBackend(AttentionBackend):
     name = "torch-reference"
     supports_graph_capture = True
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.upcast = upcasts_attention(self.device)
+
     def build(self, query_lens: list[int], context_lens: list[int],
               block_tables: list[list[int]]) -> AttentionMetadata:
         meta = build_attention_metadata(query_lens, context_lens, block_tables, self.block_size,
-                                        self.sliding_window, self.device)
+                                        self.sliding_window, self.device, self.upcast)
         meta._paged_source = (self.buffers, query_lens, context_lens, block_tables, self.block_size)
         return meta
 
     def static_decode_metadata(self, buffers: StaticDecodeBuffers) -> StaticPagedDecodeMetadata:
-        return StaticPagedDecodeMetadata(buffers, self.sliding_window)
+        return StaticPagedDecodeMetadata(buffers, self.sliding_window, self.upcast)
 
 
 __all__ = ["AttentionMetadata", "PersistentBuffers", "TorchReferenceBackend", "build_attention_metadata",

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tailserve.attention.backend import AttentionBackend, PagedBatch, StaticDecodeBuffers
+from tailserve.attention.backend import AttentionBackend, PagedBatch, RopeOutsideKernel, StaticDecodeBuffers
 
 
 @triton.jit
@@ -119,7 +119,7 @@ def triton_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
 
 
 @dataclass
-class TritonAttentionMetadata:
+class TritonAttentionMetadata(RopeOutsideKernel):
     slot_mapping: torch.Tensor
     batch: PagedBatch
     sliding_window: int | None
@@ -130,7 +130,7 @@ class TritonAttentionMetadata:
 
 
 @dataclass
-class StaticTritonDecodeMetadata:
+class StaticTritonDecodeMetadata(RopeOutsideKernel):
     """A captured decode through the same kernel: it reads the static buffers' block tables
     and sequence lengths from device memory and loops over each sequence's own blocks, so one
     capture serves every context length (no gather of max_model_len slots per sequence)."""

@@ -18,8 +18,7 @@ from tailserve.config import EngineConfig
 from tailserve.engine.processor import PreparedRequest
 from tailserve.engine.request import Request, RequestStatus
 from tailserve.engine.scheduler import Scheduler
-from tailserve.engine.scheduler_output import EngineCoreOutput
-from tailserve.engine.worker import Worker
+from tailserve.engine.scheduler_output import EngineCoreOutput, ModelExecutor, StepAppliedError, StepCost
 from tailserve.errors import InvalidRequestError, TailserveError
 from tailserve.memory.block_pool import BlockPool
 from tailserve.metrics.timeline import StepStats
@@ -43,28 +42,34 @@ class _StepTiming:
     started_ns: int
     num_tokens: int
     target_forward_s: float
+    propose_s: float
     decode_only: bool
     num_emitted: int = 0
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int] | None = None,
-                 worker: Worker | None = None) -> None:
+                 worker: ModelExecutor | None = None, speculation: AdaptiveSpeculation | None = None) -> None:
+        """``worker``: any ``ModelExecutor`` (default: a ``Worker``, or the tensor-parallel
+        executor); ``speculation``: the draft-length policy (default: the adaptive controller
+        when the worker has a proposer)."""
         self.config = config
         if worker is None:
             if config.tensor_parallel_size > 1:
                 from tailserve.engine.tensor_parallel import TensorParallelExecutor
 
-                worker = TensorParallelExecutor(config)  # type: ignore[assignment]
+                worker = TensorParallelExecutor(config)
             else:
+                from tailserve.engine.worker import Worker
+
                 worker = Worker(config)
         self.worker = worker
-        self.max_model_len = self.worker.max_model_len
-        eos = set(self.worker.arch.eos_token_ids) or set(eos_token_ids or ())
+        info = self.info = worker.info
+        self.max_model_len = info.max_model_len
+        eos = set(info.arch.eos_token_ids) or set(eos_token_ids or ())
         self.eos_token_ids = frozenset(eos)
-        self.block_pool = BlockPool(self.worker.num_blocks, config.block_size, config.enable_prefix_caching)
-        speculation = None
-        if self.worker.proposer is not None:
+        self.block_pool = BlockPool(info.num_blocks, config.block_size, config.enable_prefix_caching)
+        if speculation is None and info.has_proposer:
             speculation = AdaptiveSpeculation(k_max=config.num_speculative_tokens or config.speculative_max_tokens,
                                               fixed_k=config.num_speculative_tokens)
         self.scheduler = Scheduler(config.scheduler_config, self.block_pool, speculation)
@@ -72,6 +77,7 @@ class EngineCore:
         self.num_steps = 0
         self.num_oom_preemptions = 0  # requests preempted because a step ran out of device memory
         self._pending_timing: _StepTiming | None = None
+        self._last_cost: StepCost | None = None  # the last finished decode step's, for the next update
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prepared: PreparedRequest) -> None:
@@ -110,7 +116,7 @@ class EngineCore:
         except TailserveError:
             raise
         except Exception as e:
-            if _is_out_of_memory(e) and len(sched.scheduled) > 1 and not self.worker.runner.advanced:
+            if _is_out_of_memory(e) and len(sched.scheduled) > 1 and not isinstance(e, StepAppliedError):
                 # Out of device memory with several requests in the step, before the worker
                 # applied any result: give memory back and preempt the newest half; the rest
                 # run the same step again next time. (An OOM after that point, in the draft
@@ -126,36 +132,29 @@ class EngineCore:
             for rid in ids:
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
             raise EngineStepError(f"{type(e).__name__}: {e}", ids) from e
-        outputs = self.scheduler.update(sched, result)
+        cost, self._last_cost = self._last_cost, None
+        outputs = self.scheduler.update(sched, result, cost)
         self.num_steps += 1
         self._pending_timing = _StepTiming(t0, sched.num_scheduled_tokens, result.target_forward_s,
-                                           not any(s.is_prefill for s in sched.scheduled),
+                                           result.propose_s, not any(s.is_prefill for s in sched.scheduled),
                                            sum(len(o.new_token_ids) for o in outputs))
         self._record_step(sched, time.perf_counter_ns() - t0, self.scheduler.num_preemptions - preempted_before)
         return outputs
 
     def end_step(self, end_ns: int | None = None) -> None:
-        """The caller has processed the step's outputs: the step's full cost is known.
-
-        Costs for the adaptive controller: the target's forward with its sampling (fitted
-        against the verified tokens) and the rest of the step (scheduling, the proposal's
-        bookkeeping, output processing and detokenizing: paid per step with or without
-        drafts; the proposal itself is observed separately). Only decode/verify steps: a
-        prefill chunk's tokens cost more each (their attention spans the chunk), and fitted
-        together with decodes they would make every verified token look several times dearer.
-        """
+        """The caller has processed the step's outputs: the step's full cost is known. It
+        reaches the speculation policy with the next ``Scheduler.update`` (the policy's one
+        input route), as a ``StepCost``: the target's forward with its sampling, the proposal,
+        and the whole step (scheduling, bookkeeping, output processing and detokenizing: paid
+        per step with or without drafts). Only decode/verify steps: a prefill chunk's tokens
+        cost more each (their attention spans the chunk), and fitted together with decodes
+        they would make every verified token look several times dearer."""
         timing, self._pending_timing = self._pending_timing, None
-        spec = self.scheduler.speculation
-        if timing is None or spec is None or not timing.decode_only:
+        if timing is None or self.scheduler.speculation is None or not timing.decode_only:
             return
         end_ns = time.perf_counter_ns() if end_ns is None else end_ns
-        total_s = (end_ns - timing.started_ns) * 1e-9
-        spec.observe_step(timing.num_tokens, timing.target_forward_s,
-                          max(total_s - timing.target_forward_s - self._last_draft_s(), 0.0))
-        spec.observe_throughput(timing.num_emitted, total_s)
-
-    def _last_draft_s(self) -> float:
-        return self.worker.runner.last_propose_s
+        self._last_cost = StepCost(timing.num_tokens, timing.num_emitted, (end_ns - timing.started_ns) * 1e-9,
+                                   timing.target_forward_s, timing.propose_s)
 
     def _record_step(self, sched, duration_ns: int, preemptions: int) -> None:
         running = self.scheduler.running

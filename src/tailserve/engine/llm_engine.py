@@ -47,19 +47,19 @@ class LLMEngine:
         self.tokenizer = Tokenizer.maybe_load(model_dir)
         tok_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         self.core = EngineCore(config, frozenset() if tok_eos is None else frozenset({tok_eos}))
-        worker = self.core.worker
-        self.model_dir = worker.model_dir
+        info = self.info = self.core.info
+        self.model_dir = info.model_dir
         self.max_model_len = self.core.max_model_len
-        self.processor = Processor(self.tokenizer, worker.arch.vocab_size, self.max_model_len, config.block_size,
-                                   worker.num_blocks, str(self.model_dir))
+        self.processor = Processor(self.tokenizer, info.arch.vocab_size, self.max_model_len, config.block_size,
+                                   info.num_blocks, str(self.model_dir))
         self.model_name = config.served_model_name or self.model_dir.name
         self.metrics_enabled = config.enable_metrics
         self.prometheus = PrometheusMetrics(self.model_name) if config.enable_metrics else None
         if self.prometheus is not None and config.gateway_metrics:
-            self.prometheus.enable_gateway_metrics(config.block_size, worker.num_blocks, config.enable_prefix_caching)
+            self.prometheus.enable_gateway_metrics(config.block_size, info.num_blocks, config.enable_prefix_caching)
         self.output_processor = OutputProcessor(self.tokenizer, self.prometheus)
-        self.allocator_settings = worker.allocator_settings
-        self.dtype, self.dtype_reason = worker.dtype, worker.dtype_reason
+        self.allocator_settings = info.allocator_settings
+        self.dtype, self.dtype_reason = info.dtype, info.dtype_reason
         if self.prometheus is not None:
             a = self.allocator_settings
             self.prometheus.alloc_conf_info.labels(self.model_name, a.text or "default", a.source).set(1)
@@ -69,10 +69,10 @@ class LLMEngine:
             self.warmup_s = self.warm_up()
         self.allocator_monitor: AllocatorMonitor | None = None
         # Where memory snapshots come from: the CUDA allocator, or nothing on a CPU.
-        self.snapshot_source: Callable[[], dict[str, Any]] | None = cuda_snapshot if worker.device.type == "cuda" \
+        self.snapshot_source: Callable[[], dict[str, Any]] | None = cuda_snapshot if info.device.type == "cuda" \
             else None
-        if worker.device.type == "cuda":
-            device = worker.device
+        if info.device.type == "cuda":
+            device = info.device
             self.attach_allocator_monitor(AllocatorMonitor(lambda: torch.cuda.memory_stats(device)))
 
     def attach_allocator_monitor(self, monitor: AllocatorMonitor) -> None:
@@ -102,12 +102,13 @@ class LLMEngine:
         dict; with ``record_memory_history`` it has the allocation history and sites)."""
         if self.snapshot_source is None:
             raise ConfigError(f"memory snapshots are of the CUDA caching allocator; this engine runs on "
-                              f"{self.core.worker.device}, which has none")
+                              f"{self.info.device}, which has none")
         return self.snapshot_source()
 
     def health(self) -> dict[str, object]:
         """``{"status": "ok" | "degraded", ...}``: degraded while the allocator monitor alerts."""
-        out: dict[str, object] = {"status": "ok", "cuda_allocator": self.allocator_settings.as_dict()}
+        out: dict[str, object] = {"status": "ok", "cuda_allocator": self.allocator_settings.as_dict(),
+                                  "plan": self.info.plan.describe()}
         if self.allocator_monitor is not None:
             out.update(self.allocator_monitor.health())
             out["cuda_memory"] = self.allocator_monitor.figures()
@@ -124,11 +125,12 @@ class LLMEngine:
 
     @property
     def runner(self):
-        return self.core.worker.runner
+        """Rank 0's model runner (white-box view: in-process only)."""
+        return self.core.worker.local.runner
 
     @property
     def proposer(self):
-        return self.core.worker.proposer
+        return self.core.worker.local.runner.proposer
 
     @property
     def spec_stats(self):
@@ -140,7 +142,7 @@ class LLMEngine:
 
     @property
     def arch(self):
-        return self.core.worker.arch
+        return self.info.arch
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -210,7 +212,7 @@ class LLMEngine:
     # -- figures ---------------------------------------------------------------------------
     def kv_figures(self) -> KVCacheFigures:
         """The KV cache's figures right now (a pass over the blocks: not for every step)."""
-        return self.core.scheduler.kv_figures(self.core.worker.kv_bytes_per_block)
+        return self.core.scheduler.kv_figures(self.info.kv_bytes_per_block)
 
     def metrics_exposition(self, num_waiting: int | None = None) -> bytes:
         """Prometheus text with the live gauges refreshed (``num_waiting`` from a caller

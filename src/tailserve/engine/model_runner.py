@@ -22,16 +22,14 @@ import torch
 
 from tailserve.attention.backend import AttentionBackend, DecodeGraph
 from tailserve.attention.reference import TorchReferenceBackend
-from tailserve.engine.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from tailserve.engine.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput, StepAppliedError
 from tailserve.model.config import ModelArchConfig
 from tailserve.model.llama import LlamaFamilyModel
 from tailserve.sample.logits_processors import apply_logits_processors
 from tailserve.sample.rejection import RejectionSampler, greedy_rows
 from tailserve.sample.sampler import Sampler, SamplingTensors, fast_argmax
 from tailserve.sampling_params import SamplingParams
-from tailserve.speculative.proposer import DraftModelProposer, HybridProposer, NgramProposer, ProposalInput
-
-Proposer = DraftModelProposer | HybridProposer | NgramProposer
+from tailserve.speculative.proposer import ProposalInput, Proposer
 
 
 @dataclass
@@ -57,8 +55,8 @@ class CachedRequestState:
 class ModelRunner:
     def __init__(self, model: LlamaFamilyModel, arch: ModelArchConfig, kv_caches: list[torch.Tensor],
                  block_size: int, device: torch.device, seed: int = 0, max_model_len: int | None = None,
-                 proposer: Proposer | None = None, attn_backend: AttentionBackend | None = None) -> None:
-        self.advanced = False
+                 proposer: Proposer | None = None, attn_backend: AttentionBackend | None = None,
+                 sampler: Sampler | None = None) -> None:
         self.model = model
         self.arch = arch
         self.kv_caches = kv_caches
@@ -67,11 +65,16 @@ class ModelRunner:
         self.max_model_len = max_model_len or arch.max_position_embeddings
         self.attn_backend = attn_backend or TorchReferenceBackend(block_size, 256, 2048, self.max_model_len,
                                                                   arch.sliding_window, device)
-        self.sampler = Sampler(arch.vocab_size, device, seed)
+        # The sampler (and its generator, which a draft model's proposer shares) is built first
+        # by the worker when there is a proposer; a runner of its own otherwise.
+        self.sampler = sampler or Sampler(arch.vocab_size, device, seed)
         self.rejection_sampler = RejectionSampler(self.sampler.generator)
         self.proposer = proposer
+        # What the proposer needs, declared by it once: a draft model's K/V kept in step with
+        # the accepted tokens, and its q for the rejection sampler.
+        self.uses_draft_kv = proposer is not None and proposer.uses_draft_kv
+        self.needs_draft_probs = proposer is not None and proposer.needs_draft_probs
         self.requests: dict[str, CachedRequestState] = {}
-        self.last_propose_s = 0.0  # the last step's proposal, for the controller's step costs
         self._generators: dict[str, torch.Generator] = {}
         # Captured decodes by batch-size bucket (capture_decode_graphs); empty = always eager.
         self.decode_graphs: dict[int, DecodeGraph] = {}
@@ -182,9 +185,7 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. Requests with draft tokens are verified: their last k+1 positions
         are sampled through the rejection sampler."""
-        self.advanced = False  # set once this step's results are applied to the persistent state
         self._apply(sched)
-        self.last_propose_s = 0.0
         out = ModelRunnerOutput()
         if sched.is_empty:
             return out
@@ -247,7 +248,10 @@ class ModelRunner:
         out.target_forward_s = time.perf_counter() - t0
         self._advance(sched, out)
         if self.proposer is not None:
-            self._propose(sched, out)
+            try:
+                self._propose(sched, out)
+            except Exception as e:  # the step's results are applied: it cannot be re-run
+                raise StepAppliedError(f"{type(e).__name__} in the draft proposal: {e}") from e
         return out
 
     def _sample(self, logits: torch.Tensor, sampled: list[CachedRequestState], num_drafts: list[int],
@@ -274,7 +278,7 @@ class ModelRunner:
             st_t = SamplingTensors.from_params(plist, self.arch.vocab_size, self.device, self.sampler.kernels)
             gens = [self.generator_for(st.request_id, st.params) for st in sampled]
             probs = None
-            if isinstance(self.proposer, DraftModelProposer | HybridProposer):
+            if self.needs_draft_probs:
                 probs = [st.draft_probs[:k] if k and st.draft_probs is not None else None
                          for st, k in zip(sampled, num_drafts)]
             emitted = self.rejection_sampler(logits, num_drafts, drafts, probs, st_t, gens)
@@ -313,8 +317,7 @@ class ModelRunner:
     def _advance(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> None:
         """Apply this step to the persistent state: computed tokens, sampled tokens, and the
         drafts consumed (verified, or dropped by the scheduler for lack of budget)."""
-        self.advanced = True
-        uses_draft_kv = isinstance(self.proposer, DraftModelProposer | HybridProposer)
+        uses_draft_kv = self.uses_draft_kv
         for s in sched.scheduled:
             st = self.requests[s.request_id]
             st.draft_token_ids = []
@@ -337,7 +340,7 @@ class ModelRunner:
             return  # speculation off this step; a draft model catches up when it is back on
         proposer = self.proposer
         assert proposer is not None
-        uses_draft_model = isinstance(proposer, DraftModelProposer | HybridProposer)
+        uses_draft_model = self.uses_draft_kv
         bs = self.block_size
         inputs = []
         for s in sched.scheduled:
@@ -371,7 +374,7 @@ class ModelRunner:
             out.draft_caps[inp.request_id] = inp.k
             if uses_draft_model:
                 out.num_draft_computed[inp.request_id] = st.num_draft_seen
-        self.last_propose_s = time.perf_counter() - t0
+        out.propose_s = time.perf_counter() - t0
         drafted = sum(1 for i in inputs if i.k > 0)
         if drafted and proposal.num_forwards:
             # Per step of a steady-state round (early stops make rounds shorter than k): the
@@ -379,5 +382,5 @@ class ModelRunner:
             # generated while speculation was off, is not observed: charged to its few steps
             # it made a draft forward look ten times dearer, and the controller then kept
             # speculation off.
-            out.draft_step_s = self.last_propose_s / proposal.num_forwards
+            out.draft_step_s = out.propose_s / proposal.num_forwards
             out.num_drafting = drafted

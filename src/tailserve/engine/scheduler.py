@@ -46,6 +46,7 @@ from tailserve.engine.scheduler_output import (
     NewRequestData,
     ScheduledRequest,
     SchedulerOutput,
+    StepCost,
 )
 from tailserve.memory.block_pool import BlockPool
 from tailserve.memory.kv_figures import KVCacheFigures
@@ -349,9 +350,18 @@ class Scheduler:
         )
 
     # -- results ---------------------------------------------------------------------------
-    def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+    def update(self, sched: SchedulerOutput, result: ModelRunnerOutput,
+               last_step: StepCost | None = None) -> list[EngineCoreOutput]:
+        """Apply a step's results. Everything the speculation policy learns comes in here: the
+        acceptance of each verified round, the proposal's cost per draft step (``result``) and
+        the previous decode step's whole cost (``last_step``, measured by the engine core once
+        its outputs were processed). ``schedule`` then reads only the policy's state."""
         outputs = []
         spec = self.speculation
+        if spec is not None and last_step is not None:
+            fwd = last_step.target_forward_s
+            spec.observe_step(last_step.num_tokens, fwd, max(last_step.total_s - fwd - last_step.propose_s, 0.0))
+            spec.observe_throughput(last_step.num_emitted, last_step.total_s)
         for seq in sched.scheduled:
             req = self.requests.get(seq.request_id)
             if req is None or req.status != RequestStatus.RUNNING:

@@ -16,13 +16,27 @@ One step's protocol:
   draft token ids, and what the draft model now holds. Draft probabilities never leave the
   worker.
 - ``EngineCoreOutput``: per request what the step added, for the output processor.
+
+The seam's other side: a ``ModelExecutor`` (a ``Worker``, or the tensor-parallel executor
+over one per rank) executes steps and describes itself once in a frozen ``WorkerInfo``;
+the engine core, ``LLMEngine`` and the server read nothing else of it.
 """
 
 from __future__ import annotations
 
+import pathlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
 
 from tailserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tailserve.engine.plan import TargetPlan
+    from tailserve.memory.allocator.control import AllocatorSettings
+    from tailserve.memory.kv_sizing import MemoryProfile
+    from tailserve.model.config import ModelArchConfig
 
 
 @dataclass(frozen=True)
@@ -91,9 +105,11 @@ class ModelRunnerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     draft_caps: dict[str, int] = field(default_factory=dict)
     num_draft_computed: dict[str, int] = field(default_factory=dict)
-    # Costs for the adaptive controller: the target's forward with its sampling, and the
-    # proposal (seconds per steady-state draft step, None when not observed this step).
+    # Costs for the adaptive controller, measured by the worker: the target's forward with its
+    # sampling, the whole proposal, and the proposal per steady-state draft step (None when
+    # not observed this step) for ``num_drafting`` requests.
     target_forward_s: float = 0.0
+    propose_s: float = 0.0
     draft_step_s: float | None = None
     num_drafting: int = 0
 
@@ -113,3 +129,59 @@ class EngineCoreOutput:
     num_cached_tokens: int | None = None  # prefix-cache hit, on the request's first output
     prompt_logprobs: list[dict[int, float] | None] | None = None  # on the first output, when asked for
     events: list[tuple[str, int]] = field(default_factory=list)  # ("scheduled" | "preempted", ns)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """A finished decode/verify step's measured cost (the engine core's clock: from
+    scheduling to the end of output processing), handed to the speculation policy by the
+    next ``Scheduler.update``."""
+
+    num_tokens: int  # tokens the target computed
+    num_emitted: int  # tokens the step gave its requests
+    total_s: float
+    target_forward_s: float
+    propose_s: float
+
+class StepAppliedError(RuntimeError):
+    """A step failed after its results were applied to the worker's state (in the proposal):
+    it cannot run again, so its requests fail; an error before that point (an out-of-memory
+    in the forward) leaves the step re-runnable. Carries the original error as its cause."""
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What the engine needs to know of its worker, given once after it is built."""
+
+    arch: ModelArchConfig
+    model_dir: pathlib.Path
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    kv_bytes_per_block: int  # both models' K/V for one block id on this rank
+    dtype: torch.dtype
+    dtype_reason: str
+    device: torch.device
+    allocator_settings: AllocatorSettings
+    memory_profile: MemoryProfile | None  # CUDA sizing by profiling; None when sized from bytes
+    decode_graph_sizes: tuple[int, ...]  # captured decode batch sizes (empty: eager)
+    graph_capture_s: float | None
+    has_proposer: bool
+    plan: TargetPlan
+    num_fused_layers: int = 0
+
+
+class ModelExecutor(Protocol):
+    """The worker side of the seam, as the engine core sees it."""
+
+    info: WorkerInfo
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def warm_up(self, decode_batch_sizes: list[int], prefill_lens: list[int]) -> None: ...
+
+    def free(self, request_ids: list[str]) -> None: ...
+
+    def check_health(self) -> None: ...
+
+    def shutdown(self) -> None: ...

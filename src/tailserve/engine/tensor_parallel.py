@@ -125,8 +125,8 @@ def _stop_processes(procs: list[mp.process.BaseProcess], conns: list[Connection]
 
 
 class TensorParallelExecutor:
-    """Rank 0's worker plus the processes of the other ranks, behind the ``Worker``
-    interface the engine core uses."""
+    """Rank 0's worker plus the processes of the other ranks, behind the ``ModelExecutor``
+    seam the engine core uses (``local`` is rank 0's in-process worker)."""
 
     def __init__(self, config: EngineConfig) -> None:
         size = config.tensor_parallel_size
@@ -153,6 +153,9 @@ class TensorParallelExecutor:
                 torch.set_num_threads(threads)
             _init_group(0, size, port, device_type)
             self.local = Worker(config, TensorParallel(size, 0))
+            # Rank 0's description: the same on every rank, except what is per rank by design
+            # (the KV heads it holds, so its bytes per block).
+            self.info = self.local.info
             for rank, conn in enumerate(self._conns, start=1):
                 kind, msg = self._recv(rank, conn, START_TIMEOUT_S)
                 if kind != "ready":
@@ -166,13 +169,6 @@ class TensorParallelExecutor:
         self._watcher.start()
 
     # -- the Worker interface ------------------------------------------------------------------
-    def __getattr__(self, name: str):
-        # arch, runner, num_blocks, proposer, model_dir, dtype, ...: rank 0's (the same on every
-        # rank, except what is per rank by design, such as the KV heads it holds).
-        if name == "local":
-            raise AttributeError(name)
-        return getattr(self.local, name)
-
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.check_health()
         for rank, conn in enumerate(self._conns, start=1):

@@ -1,102 +1,92 @@
-"""The worker: loads the model (and the draft model), sizes and allocates the KV caches,
-and executes scheduler outputs through its ``ModelRunner``.
+"""The worker: applies the execution plan (engine/plan.py), loads the model (and the draft
+model), sizes and allocates the KV caches, and executes scheduler outputs through its
+``ModelRunner``.
 
-Everything that touches weights, devices or tensors lives here, behind one call,
-``execute(SchedulerOutput) -> ModelRunnerOutput``; the engine core above it only schedules.
-This is the boundary a tensor-parallel worker process will sit behind.
+Everything that touches weights, devices or tensors lives here, behind the ``ModelExecutor``
+seam (engine/scheduler_output.py): ``execute(SchedulerOutput) -> ModelRunnerOutput`` per step,
+and a frozen ``WorkerInfo`` once. The engine core above it only schedules. A tensor-parallel
+executor implements the same seam over one worker per rank.
 """
 
 from __future__ import annotations
 
 import pathlib
-from dataclasses import dataclass
 
 import torch
 
 from tailserve.assets import resolve_model_path
-from tailserve.attention import get_attention_backend
+from tailserve.attention.backend import AttentionBackend
 from tailserve.attention.cpu_decode import CpuDecodeBackend
-from tailserve.config import (
-    DEFAULT_GPU_MEMORY_UTILIZATION,
-    DEFAULT_KV_CACHE_MEMORY_BYTES,
-    EngineConfig,
-    decode_graph_batch_sizes,
+from tailserve.attention.reference import TorchReferenceBackend
+from tailserve.config import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+from tailserve.engine.model_runner import ModelRunner
+from tailserve.engine.plan import (
+    Capabilities,
+    DraftPlan,
+    ModelPlan,
+    TargetPlan,
+    detect_capabilities,
+    plan_draft,
+    plan_target,
+    uses_draft_model,
 )
-from tailserve.engine.model_runner import ModelRunner, Proposer
-from tailserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from tailserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 from tailserve.errors import ConfigError, TailserveError
 from tailserve.kernels import cpu as cpu_kernels
 from tailserve.memory.allocator.control import apply_alloc_conf
 from tailserve.memory.allocator.snapshot import start_recording
 from tailserve.memory.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from tailserve.memory.kv_sizing import CudaMemory, DeviceMemory, MemoryProfile, num_blocks_from_profile, profile_memory
-from tailserve.model.config import ModelArchConfig, load_arch_config, parse_dtype
-from tailserve.model.linear import SINGLE, TensorParallel, select_linear_method
-from tailserve.model.llama import TORCH_OPS, KernelLayerOps, LayerOps, LlamaFamilyModel, fuse_decode_layers
+from tailserve.model.config import load_arch_config
+from tailserve.model.linear import SINGLE, LinearMethod, TensorParallel, build_linear_method
+from tailserve.model.llama import TORCH_OPS, KernelLayerOps, LayerOps, fuse_decode_layers
 from tailserve.model.loader import load_model
-from tailserve.platform_info import resolve_auto_dtype
+from tailserve.sample.sampler import Sampler
 from tailserve.speculative.draft_step import make_draft_step
-from tailserve.speculative.numpy_draft import NUMPY_DRAFT_MAX_PARAMETERS
-from tailserve.speculative.proposer import DraftModelProposer, HybridProposer, NgramProposer
+from tailserve.speculative.proposer import DraftModelProposer, HybridProposer, NgramProposer, Proposer
 
 
-@dataclass(frozen=True)
-class DraftPlan:
-    """How the draft model runs: its folder, architecture, dtype, and whether its chain
-    steps of a single sequence run in NumPy."""
-
-    model_dir: pathlib.Path
-    arch: ModelArchConfig
-    dtype: torch.dtype
-    numpy_step: bool
+def _layer_ops(plan: ModelPlan, kernels) -> LayerOps:
+    return KernelLayerOps(kernels) if plan.layer_ops == "cpu-kernels" else TORCH_OPS
 
 
-def plan_draft(config: EngineConfig, device: torch.device, target_dtype: torch.dtype) -> DraftPlan | None:
-    """The draft model's platform choices, made once, before anything is loaded."""
-    if config.speculative_method not in ("draft_model", "hybrid"):
-        return None
-    draft_dir = pathlib.Path(resolve_model_path(config.speculative_model, draft=True))
-    arch = load_arch_config(draft_dir)
-    # A bf16/fp16 draft checkpoint on a CPU with the compiled kernels runs in float32 over its
-    # compact weights (kernels/cpu), single sequences included: measured on the built-in
-    # pair at batch 1 (docs/benchmarks.md), greedy 352 tok/s against 291 with the NumPy step.
-    compact = (device.type == "cpu" and config.cpu_kernels and arch.dtype in (torch.bfloat16, torch.float16)
-               and config.speculative_draft_dtype in ("auto", "float32") and cpu_kernels.kernels() is not None)
-    numpy_step = config.speculative_draft_numpy
-    if numpy_step is None:
-        # Only small drafts: NumPy reads float32 weights (twice PyTorch's bf16 bytes), which
-        # outweighs the per-operation overhead it saves beyond a few million parameters.
-        numpy_step = (device.type == "cpu" and config.speculative_draft_dtype in ("auto", "float32")
-                      and arch.sliding_window is None and arch.num_parameters <= NUMPY_DRAFT_MAX_PARAMETERS
-                      and not compact)
-    elif numpy_step and arch.sliding_window is not None:
-        raise ConfigError("speculative_draft_numpy: the NumPy draft step has no sliding window, "
-                          "and this draft model uses one")
-    if config.speculative_draft_dtype != "auto":
-        dtype = parse_dtype(config.speculative_draft_dtype)
-    else:
-        dtype = torch.float32 if numpy_step or compact else target_dtype
-    return DraftPlan(draft_dir, arch, dtype, numpy_step)
+def _linear_method(plan: ModelPlan, kernels) -> LinearMethod:
+    lp = plan.linear
+    uses_kernels = lp.method == "cpu-compact-weights" or lp.cpu_kernels
+    return build_linear_method(lp.method, kernels if uses_kernels else None, lp.compact_dtype, lp.keep_float32)
+
+
+def _attention_backend(plan: ModelPlan, args: tuple, kernels) -> AttentionBackend:
+    """The backend the plan names, built."""
+    if plan.attention_backend == "cpu-decode":
+        return CpuDecodeBackend(*args, kernels=kernels)
+    if plan.attention_backend == "triton-paged":
+        from tailserve.attention.triton_paged import TritonPagedBackend
+
+        return TritonPagedBackend(*args)
+    return TorchReferenceBackend(*args)
 
 
 class Worker:
     """One rank's model, caches and runner (the only rank without tensor parallelism; under
     it, ``engine/tensor_parallel.py`` runs one per process, all on the same scheduler
-    outputs)."""
+    outputs). A ``ModelExecutor``: the engine core calls only that protocol and reads ``info``."""
 
-    def __init__(self, config: EngineConfig, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, config: EngineConfig, tp: TensorParallel = SINGLE,
+                 capabilities: Capabilities | None = None) -> None:
         self.config = config
         self.tp = tp
-        self.device = torch.device(config.device)
-        if tp.size > 1 and self.device.type == "cuda":
-            self.device = torch.device("cuda", tp.rank)
+        device = torch.device(config.device)
+        if tp.size > 1 and device.type == "cuda":
+            device = torch.device("cuda", tp.rank)
+        self.device = device
         # Before anything touches CUDA: the caching allocator reads its settings only then.
-        self.allocator_settings = apply_alloc_conf(config.cuda_alloc_conf, config.gpu_memory_utilization,
-                                                   strict_env=self.device.type == "cuda")
-        if self.device.type == "cuda" and not torch.cuda.is_available():
+        self.allocator_settings = apply_alloc_conf(config.cuda_alloc_conf, config.cuda_memory_fraction,
+                                                   strict_env=device.type == "cuda")
+        if device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device cuda requested but torch.cuda.is_available() is False")
-        if self.device.type == "cuda" and config.gpu_memory_utilization is not None:
-            torch.cuda.set_per_process_memory_fraction(config.gpu_memory_utilization, self.device)
+        if device.type == "cuda" and config.cuda_memory_fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(config.cuda_memory_fraction, device)
         if config.record_memory_history:  # before the weights load, so their sites are in it
             start_recording()
         self.model_dir = pathlib.Path(resolve_model_path(config.model))
@@ -106,101 +96,70 @@ class Worker:
             raise ConfigError(f"max_model_len {max_len} exceeds the model's max_position_embeddings "
                               f"{arch.max_position_embeddings}")
         self.max_model_len = max_len
-        if config.dtype == "auto":
-            dtype, self.dtype_reason = resolve_auto_dtype(arch.dtype, self.device)
-        else:
-            dtype, self.dtype_reason = parse_dtype(config.dtype), "--dtype"
-        # Platform choices, made once: how linear layers multiply, which attention backend.
-        # A float32 model of a bf16/fp16 checkpoint on the CPU keeps the weights in the
-        # checkpoint's dtype (widening is exact: the same products, half the bytes) when the
-        # compiled kernels run here: what --dtype auto gives on a CPU without native bf16.
-        compact = arch.dtype if (self.device.type == "cpu" and dtype == torch.float32
-                                 and arch.dtype in (torch.bfloat16, torch.float16)) else None
-        self.linear_method = select_linear_method(self.device, config.cpu_onednn, config.quantization,
-                                                  compact_weights=compact, cpu_kernels=config.cpu_kernels)
-        if self.linear_method.name == "cpu-compact-weights":
-            self.dtype_reason += f"; weights kept in {str(arch.dtype).removeprefix('torch.')} as stored " \
-                                 "(float32 arithmetic, compiled AVX2 kernels)"
-        # The draft model keeps its own precision. On the CPU a float32 draft of a bf16/fp16
-        # checkpoint runs its batched steps of up to 16 rows through the compiled kernels on
-        # compact weights, and keeps the float32 weights for more rows (a draft is small). The
-        # NumPy single-sequence step copies them widened, before the linear method is applied.
-        self.draft_linear_method = select_linear_method(self.device, config.cpu_onednn)
+
+        # 1. The plan: every platform decision, made once, before anything loads.
+        caps = capabilities or detect_capabilities(device, config.cpu_kernels)
+        plan = plan_target(config, arch, device, caps, tp.size)
+        if uses_draft_model(config):
+            draft_dir = pathlib.Path(resolve_model_path(config.speculative_model, draft=True))
+            draft_arch = load_arch_config(draft_dir)
+            if draft_arch.vocab_size != arch.vocab_size:
+                raise ConfigError(f"draft model vocabulary ({draft_arch.vocab_size}) differs from the target's "
+                                  f"({arch.vocab_size}); speculative decoding needs the same tokenizer")
+            if draft_arch.max_position_embeddings < max_len:
+                raise ConfigError(f"draft model context ({draft_arch.max_position_embeddings}) is shorter than "
+                                  f"max_model_len {max_len}")
+            plan = plan.with_draft(plan_draft(config, draft_dir, draft_arch, device, caps, plan.dtype))
+        self.plan: TargetPlan = plan
+        self.draft_plan: DraftPlan | None = plan.draft
+        kernels = cpu_kernels.kernels() if caps.cpu_kernels and device.type == "cpu" else None
+        self.dtype_reason = plan.model.dtype_reason
+
+        # 2. Load the target as planned.
+        self.linear_method = _linear_method(plan.model, kernels)
         try:
-            self.model, self.arch = load_model(self.model_dir, dtype, self.device, max_positions=max_len,
+            self.model, self.arch = load_model(self.model_dir, plan.dtype, device, max_positions=max_len,
                                                linear_method=self.linear_method, tp=tp)
         except ValueError as e:
             if tp.size == 1 or isinstance(e, TailserveError):
                 raise
             raise ConfigError(f"tensor_parallel_size {tp.size} does not fit this model: {e}") from None
         self.dtype = self.model.embed_tokens.dtype
-        self.layer_ops = self._select_layer_ops(self.dtype)
+        self.layer_ops = _layer_ops(plan.model, kernels)
         self.model.set_layer_ops(self.layer_ops)
-
-        self.draft_plan = plan_draft(config, self.device, self.dtype)
-        draft_model: LlamaFamilyModel | None = None
-        if self.draft_plan is not None:
-            plan = self.draft_plan
-            # Its linear method is applied once the NumPy step (if any) has copied the plain weights.
-            draft_model, _ = load_model(plan.model_dir, plan.dtype, self.device, max_positions=max_len)
-            draft_model.set_layer_ops(self._select_layer_ops(plan.dtype))
-            if self.device.type == "cpu" and plan.dtype == torch.float32 \
-                    and plan.arch.dtype in (torch.bfloat16, torch.float16):
-                self.draft_linear_method = select_linear_method(
-                    self.device, config.cpu_onednn, compact_weights=plan.arch.dtype, cpu_kernels=config.cpu_kernels,
-                    keep_float32=True)
-            if plan.arch.vocab_size != self.arch.vocab_size:
-                raise ConfigError(f"draft model vocabulary ({plan.arch.vocab_size}) differs from the target's "
-                                  f"({self.arch.vocab_size}); speculative decoding needs the same tokenizer")
-            if plan.arch.max_position_embeddings < max_len:
-                raise ConfigError(f"draft model context ({plan.arch.max_position_embeddings}) is shorter than "
-                                  f"max_model_len {max_len}")
-
-        try:
-            backend_cls = get_attention_backend(config.attention_backend)
-        except ValueError as e:
-            raise ConfigError(f"attention_backend: {e}") from None
         backend_args = (config.block_size, config.max_num_seqs, config.max_num_batched_tokens, max_len,
-                        self.arch.sliding_window, self.device)
-        if config.attention_backend == "auto" and isinstance(self.layer_ops, KernelLayerOps) \
-                and CpuDecodeBackend.handles(self.arch.head_dim, self.dtype):
-            # float32 on the CPU with the compiled kernels: decodes through the paged decode kernel.
-            self.attn_backend = CpuDecodeBackend(*backend_args, kernels=self.layer_ops.kernels)
-        else:
-            self.attn_backend = backend_cls(*backend_args)
-        # Decode steps of a float32 CPU model with compact weights: one compiled call per layer.
-        self.num_fused_layers = 0
-        if isinstance(self.attn_backend, CpuDecodeBackend):
-            self.num_fused_layers = fuse_decode_layers(self.model, self.layer_ops.kernels)
-        # CUDA graphs for decode: one process, CUDA, and a backend with capture hooks.
-        self.use_decode_graphs = (self.device.type == "cuda" and not config.enforce_eager and tp.size == 1
-                                  and self.attn_backend.supports_graph_capture)
-        self.num_blocks = self.determine_num_blocks()
-        # One block past the ones the scheduler hands out, that no request ever owns: a
-        # captured decode pads its batch with rows that write their K/V there.
-        self.kv_caches = allocate_kv_caches(self.arch, self.num_blocks + 1, config.block_size, self.dtype,
-                                            self.device, tp)
-        self.runner = ModelRunner(self.model, self.arch, self.kv_caches, config.block_size, self.device, config.seed,
-                                  max_model_len=max_len, attn_backend=self.attn_backend)
-        self.runner.proposer = self._build_proposer(draft_model)
-        if self.device.type == "cpu" and config.cpu_kernels:
-            # top-k / top-p cut-offs by quickselect, for every model dtype (logits are float32 there).
-            self.runner.sampler.kernels = cpu_kernels.kernels()
-            draft = getattr(self.runner.proposer, "draft", self.runner.proposer)
-            if isinstance(draft, DraftModelProposer):
-                draft.sampling_kernels = self.runner.sampler.kernels
-        self.graph_capture_s: float | None = None
-        if self.use_decode_graphs:
-            self.graph_capture_s = self.capture_decode_graphs(decode_graph_batch_sizes(config.max_num_seqs))
+                        self.arch.sliding_window, device)
+        self.attn_backend = _attention_backend(plan.model, backend_args, kernels)
+        # Decode steps of a float32 CPU model with compact weights: one compiled call per layer
+        # (the layers that qualify; the count is what loading found).
+        self.num_fused_layers = fuse_decode_layers(self.model, kernels) if plan.model.fuse_decode_layers else 0
 
-    def _select_layer_ops(self, dtype: torch.dtype) -> LayerOps:
-        """The compiled CPU kernels' norms and activations for a float32 model on the CPU
-        (same arithmetic, one pass each), else PyTorch's."""
-        if self.device.type == "cpu" and dtype == torch.float32 and self.config.cpu_kernels:
-            k = cpu_kernels.kernels()
-            if k is not None:
-                return KernelLayerOps(k)
-        return TORCH_OPS
+        # 3. Size the KV cache (both models' K/V per block id), then allocate it with one block
+        # past the ones the scheduler hands out, that no request ever owns: a captured decode
+        # pads its batch with rows that write their K/V there, and so do a draft's ragged
+        # catch-ups.
+        self.num_blocks = self.determine_num_blocks()
+        self.kv_caches = allocate_kv_caches(self.arch, self.num_blocks + 1, config.block_size, self.dtype,
+                                            device, tp)
+
+        # 4. Build, each object whole: the sampler, the proposer (which shares the sampler's
+        # generator and kernels), the runner that holds both.
+        sampler = Sampler(self.arch.vocab_size, device, config.seed, kernels if plan.sampler_kernels else None)
+        self.draft_linear_method: LinearMethod | None = None
+        proposer = self._build_proposer(sampler, kernels)
+        self.runner = ModelRunner(self.model, self.arch, self.kv_caches, config.block_size, device, config.seed,
+                                  max_model_len=max_len, attn_backend=self.attn_backend, proposer=proposer,
+                                  sampler=sampler)
+        self.graph_capture_s: float | None = None
+        if plan.decode_graph_sizes:
+            self.graph_capture_s = self.capture_decode_graphs(list(plan.decode_graph_sizes))
+        self.info = WorkerInfo(
+            arch=self.arch, model_dir=self.model_dir, max_model_len=max_len, num_blocks=self.num_blocks,
+            block_size=config.block_size, kv_bytes_per_block=self.kv_bytes_per_block, dtype=self.dtype,
+            dtype_reason=self.dtype_reason, device=device, allocator_settings=self.allocator_settings,
+            memory_profile=self.memory_profile, decode_graph_sizes=tuple(sorted(self.runner.decode_graphs)),
+            graph_capture_s=self.graph_capture_s, has_proposer=proposer is not None, plan=plan,
+            num_fused_layers=self.num_fused_layers)
 
     def capture_decode_graphs(self, batch_sizes: list[int]) -> float:
         """Capture decodes at these batch sizes (``ModelRunner.capture_decode_graphs``); the
@@ -264,39 +223,43 @@ class Worker:
         self.model.compute_logits(hidden[:rows]).softmax(dim=-1)
         del caches, hidden
 
-    def _build_proposer(self, draft_model: LlamaFamilyModel | None) -> Proposer | None:
-        config = self.config
-        if draft_model is not None and self.draft_plan is not None:
-            plan = self.draft_plan
-            # One block past num_blocks, as the target's: a scratch slot for writes nobody reads.
-            draft_caches = allocate_kv_caches(plan.arch, self.num_blocks + 1, config.block_size,
-                                              draft_model.embed_tokens.dtype, self.device)
-            # The NumPy step copies the plain weights, so it is built before the linear method
-            # repacks them.
-            single_step = make_draft_step(draft_model, plan.arch, draft_caches, self.device, plan.numpy_step)
-            draft_model.set_linear_method(self.draft_linear_method)
-            if isinstance(draft_model.ops, KernelLayerOps):
-                fuse_decode_layers(draft_model, draft_model.ops.kernels)  # used where its backend is the kernel's
-            draft_backend = None
-            draft_ops = draft_model.ops
-            if isinstance(draft_ops, KernelLayerOps) and plan.arch.sliding_window is None \
-                    and config.attention_backend == "auto" and CpuDecodeBackend.handles(plan.arch.head_dim, plan.dtype):
-                # The chain's batched steps through the CPU decode kernel, as the target's decodes.
-                draft_backend = CpuDecodeBackend(config.block_size, config.max_num_seqs,
-                                                 config.max_num_batched_tokens, self.max_model_len, None,
-                                                 self.device, kernels=draft_ops.kernels)
-            proposer: Proposer = DraftModelProposer(draft_model, plan.arch, draft_caches, config.block_size,
-                                                    self.device, self.runner.sampler.generator,
-                                                    stop_margin=config.draft_stop_margin, single_step=single_step,
-                                                    attn_backend=draft_backend,
-                                                    scratch_slot=self.num_blocks * config.block_size)
-            if config.speculative_method == "hybrid":
-                proposer = HybridProposer(proposer, NgramProposer(config.ngram_min, config.ngram_max),
-                                          self.arch.vocab_size)
-            return proposer
-        if config.speculative_method == "ngram":
-            return NgramProposer(config.ngram_min, config.ngram_max)
-        return None
+    def _build_proposer(self, sampler: Sampler, kernels) -> Proposer | None:
+        config, plan = self.config, self.draft_plan
+        if plan is None:
+            return NgramProposer(config.ngram_min, config.ngram_max) if config.speculative_method == "ngram" else None
+        mp = plan.model
+        draft_model, _ = load_model(plan.model_dir, plan.dtype, self.device, max_positions=self.max_model_len)
+        draft_model.set_layer_ops(_layer_ops(mp, kernels))
+        # One block past num_blocks, as the target's: a scratch slot for writes nobody reads.
+        draft_caches = allocate_kv_caches(plan.arch, self.num_blocks + 1, config.block_size,
+                                          draft_model.embed_tokens.dtype, self.device)
+        # The NumPy step copies the plain weights, so it is built before the linear method
+        # repacks them.
+        single_step = make_draft_step(draft_model, plan.arch, draft_caches, self.device, plan.numpy_step)
+        self.draft_linear_method = _linear_method(mp, kernels)
+        draft_model.set_linear_method(self.draft_linear_method)
+        draft_backend = None
+        if mp.attention_backend == "cpu-decode":
+            # The chain's batched steps through the CPU decode kernel, as the target's decodes.
+            draft_backend = CpuDecodeBackend(config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
+                                             self.max_model_len, None, self.device, kernels=kernels)
+        if mp.fuse_decode_layers:
+            fuse_decode_layers(draft_model, kernels)
+        proposer: Proposer = DraftModelProposer(
+            draft_model, plan.arch, draft_caches, config.block_size, self.device, sampler.generator,
+            stop_margin=config.draft_stop_margin, single_step=single_step, attn_backend=draft_backend,
+            scratch_slot=self.num_blocks * config.block_size, sampling_kernels=sampler.kernels,
+            batched_single_rows=plan.chain_step == "batched")
+        if config.speculative_method == "hybrid":
+            proposer = HybridProposer(proposer, NgramProposer(config.ngram_min, config.ngram_max),
+                                      self.arch.vocab_size)
+        return proposer
+
+    @property
+    def local(self) -> Worker:
+        """The in-process worker (this one; rank 0's under tensor parallelism), for white-box
+        views in tests and benchmarks."""
+        return self
 
     @property
     def proposer(self) -> Proposer | None:

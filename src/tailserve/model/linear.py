@@ -2,7 +2,7 @@
 load time.
 
 **Linear methods.** How a layer multiplies is decided once, when the model is loaded, by a
-``LinearMethod`` (``select_linear_method``), not by a branch inside ``forward``:
+``LinearMethod`` (chosen by the execution plan, engine/plan.py), not by a branch inside ``forward``:
 
 - ``PlainLinearMethod``: ``F.linear``; everywhere.
 - ``OneDNNPackedLinearMethod``: CPU only. PyTorch's default CPU ``F.linear`` reaches a
@@ -163,13 +163,9 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
 
     SMALL_BATCH = 16  # rows up to which the compiled CPU kernel is used (float32 models)
 
-    def __init__(self, device: torch.device | None = None, cpu_kernels: bool = True) -> None:
+    def __init__(self, cpu_kernels=None) -> None:  # kernels.cpu.CpuKernels where the plan uses them
         self._kernel_ok: dict[tuple[torch.dtype, str], bool] = {}
-        self.cpu_kernels = None
-        if cpu_kernels and device is not None and device.type == "cpu":
-            from tailserve.kernels.cpu import kernels
-
-            self.cpu_kernels = kernels()
+        self.cpu_kernels = cpu_kernels
 
     @staticmethod
     def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,17 +227,13 @@ class CpuCompactWeightsLinearMethod(LinearMethod):
     name = "cpu-compact-weights"
     SMALL_BATCH = 16
 
-    def __init__(self, weight_dtype: torch.dtype, keep_float32: bool = False) -> None:
-        from tailserve.kernels.cpu import kernels
-
+    def __init__(self, weight_dtype: torch.dtype, kernels, keep_float32: bool = False) -> None:
         self.weight_dtype = weight_dtype
         # Also keep the float32 weight for batches above SMALL_BATCH instead of widening per
         # call: for a small model whose batched forwards are frequent (a draft model's chain
         # at batch 16 feeds 32 rows), at the cost of the float32 bytes as well.
         self.keep_float32 = keep_float32
-        self.kernels = kernels()
-        if self.kernels is None:
-            raise RuntimeError("the compiled CPU kernels are unavailable")
+        self.kernels = kernels  # kernels.cpu.CpuKernels
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         full = layer.weight.detach()
@@ -270,25 +262,21 @@ class CpuCompactWeightsLinearMethod(LinearMethod):
 QUANTIZATIONS = ("int8",)
 
 
-def select_linear_method(device: torch.device, cpu_onednn: bool, quantization: str | None = None,
-                         compact_weights: torch.dtype | None = None, cpu_kernels: bool = True,
-                         keep_float32: bool = False) -> LinearMethod:
-    """The method for every linear layer of a model on ``device``. ``compact_weights``: a
-    float32 model on the CPU whose checkpoint stores bf16/fp16 keeps its weights in that dtype
-    (CpuCompactWeightsLinearMethod) when the compiled kernels run here; ``keep_float32``: and
-    keeps the float32 weights too, for its larger batches."""
-    if quantization == "int8":
-        return Int8WeightOnlyLinearMethod(device, cpu_kernels)
-    if quantization is not None:
-        raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {quantization!r}")
-    if compact_weights is not None and device.type == "cpu" and cpu_kernels:
-        from tailserve.kernels.cpu import kernels
-
-        if kernels() is not None:
-            return CpuCompactWeightsLinearMethod(compact_weights, keep_float32)
-    if device.type == "cpu" and cpu_onednn and onednn_available():
+def build_linear_method(method: str, kernels=None, compact_dtype: torch.dtype | None = None,
+                        keep_float32: bool = False) -> LinearMethod:
+    """The linear method the execution plan chose (engine/plan.py ``LinearPlan``): ``kernels``
+    is the compiled CPU kernels' handle where the plan uses them (kernels.cpu.CpuKernels)."""
+    if method == PlainLinearMethod.name:
+        return PLAIN
+    if method == OneDNNPackedLinearMethod.name:
         return OneDNNPackedLinearMethod()
-    return PLAIN
+    if method == Int8WeightOnlyLinearMethod.name:
+        return Int8WeightOnlyLinearMethod(kernels)
+    if method == CpuCompactWeightsLinearMethod.name:
+        if kernels is None or compact_dtype is None:
+            raise ValueError("cpu-compact-weights needs the compiled CPU kernels and the weights' compact dtype")
+        return CpuCompactWeightsLinearMethod(compact_dtype, kernels, keep_float32)
+    raise ValueError(f"unknown linear method {method!r}")
 
 
 # -- layers ------------------------------------------------------------------------------------

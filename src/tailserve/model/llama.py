@@ -14,9 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from tailserve.attention.backend import LayerAttentionMetadata
+from tailserve.kernels.cpu import WEIGHT_FORMATS, LayerStruct
 from tailserve.model.config import ModelArchConfig
 from tailserve.model.linear import (
     SINGLE,
+    CpuCompactWeightsLinearMethod,
+    Int8WeightOnlyLinearMethod,
     Linear,
     LinearMethod,
     MergedColumnParallelLinear,
@@ -93,8 +96,6 @@ class FusedDecodeLayer:
 
     def __init__(self, kernels, layer: DecoderLayer, fmt: int, weights: list[torch.Tensor],
                  scales: list[torch.Tensor | None]) -> None:
-        from tailserve.kernels.cpu import LayerStruct
-
         attn = layer.self_attn
         self.kernels = kernels
         self._keep = (weights, scales)  # the struct holds raw pointers into these
@@ -122,9 +123,6 @@ def fuse_decode_layers(model: LlamaFamilyModel, kernels) -> int:
     many qualified. A layer qualifies when its four projections keep compact weights for the
     compiled kernel (bf16, fp16, or int8 with float row scales), none has a bias, and it has
     no q/k norms (Llama, Mistral, Qwen2 without biases)."""
-    from tailserve.kernels.cpu import WEIGHT_FORMATS
-    from tailserve.model.linear import CpuCompactWeightsLinearMethod, Int8WeightOnlyLinearMethod
-
     count = 0
     for layer in model.layers:
         layer.fused = None
@@ -185,19 +183,14 @@ class Attention(nn.Module):
         t = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj.forward(x)  # (T, (H + 2*KVH) * D)
-        if self.q_norm is None and self.rotary.rotate_half and hasattr(meta, "attend_rope") \
-                and qkv.dtype == torch.float32:
-            # The CPU decode kernel rotates q and k itself (RotaryEmbedding.apply's arithmetic).
-            return self.o_proj.forward(meta.attend_rope(qkv, *rope, h, kvh, kv_cache, self.scale))
-        v = qkv[:, self.q_size + self.kv_size :].view(t, kvh, d)
         if self.q_norm is None:
-            # q and k are adjacent in the fused projection: rotate both with one call.
-            qk = self.rotary.apply(qkv[:, : self.q_size + self.kv_size].view(t, h + kvh, d), *rope)
-            q, k = qk[:, :h], qk[:, h:]
-        else:
-            q = self.rotary.apply(self.q_norm.forward(qkv[:, : self.q_size].view(t, h, d)), *rope)
-            k = self.rotary.apply(self.k_norm.forward(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, kvh, d)),
-                                  *rope)
+            # q and k adjacent in the fused projection, rotated by the backend (inside its
+            # kernel, or in one call before it).
+            return self.o_proj.forward(meta.attend_rope(qkv, self.rotary, *rope, h, kvh, kv_cache, self.scale))
+        v = qkv[:, self.q_size + self.kv_size :].view(t, kvh, d)
+        q = self.rotary.apply(self.q_norm.forward(qkv[:, : self.q_size].view(t, h, d)), *rope)
+        k = self.rotary.apply(self.k_norm.forward(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, kvh, d)),
+                              *rope)
         out = meta.attend(q, k, v, kv_cache, self.scale)  # (T, H*D)
         return self.o_proj.forward(out)
 
@@ -231,9 +224,11 @@ class DecoderLayer(nn.Module):
         the first layer, where x is the embedding). Returns (this layer's output, the stream):
         the stream plus both outputs is what ``x + attn(norm(x))``, ``x + mlp(norm(x))`` give."""
         fused = self.fused
-        if fused is not None and x.shape[0] <= FusedDecodeLayer.MAX_ROWS and hasattr(meta, "kernel_step") \
-                and rope[0].is_contiguous() and rope[1].is_contiguous():
-            return fused.forward(x, residual, rope, kv_cache, meta.kernel_step(kv_cache.shape[2]))
+        if fused is not None and x.shape[0] <= FusedDecodeLayer.MAX_ROWS and rope[0].is_contiguous() \
+                and rope[1].is_contiguous():
+            step = meta.kernel_step(kv_cache.shape[2])  # None: not the CPU decode kernel's metadata
+            if step is not None:
+                return fused.forward(x, residual, rope, kv_cache, step)
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         if residual is None:
             residual, h = x, self.ops.rms_norm(x, ln1.weight, ln1.eps)

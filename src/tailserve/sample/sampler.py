@@ -42,7 +42,9 @@ def fast_argmax(x: torch.Tensor) -> torch.Tensor:
     1 x 4096, 19 vs 22 for 5 x 4096, 35 vs 27 for 16 x 4096, 31 vs 20 for 1 x 32000.
     """
     n, v = x.shape
-    if x.device.type != "cpu" or v % _ARGMAX_CHUNK or v < 4 * _ARGMAX_CHUNK or n * v <= _PLAIN_ARGMAX_MAX:
+    # Correct on any device; the chunks are what win on the CPU, and cost a GPU one more
+    # small kernel (no host sync), so it is not worth a per-call device branch.
+    if v % _ARGMAX_CHUNK or v < 4 * _ARGMAX_CHUNK or n * v <= _PLAIN_ARGMAX_MAX:
         return x.argmax(dim=-1)
     chunks = x.view(n, v // _ARGMAX_CHUNK, _ARGMAX_CHUNK)
     best = chunks.amax(dim=-1).argmax(dim=-1)  # (N,)
@@ -108,7 +110,7 @@ def _cutoffs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     dev = logits.device
     top_k = st.top_k if st.top_k is not None else torch.full((n,), v, dtype=torch.long, device=dev)
     top_p = st.top_p if st.top_p is not None else torch.ones(n, device=dev)
-    if st.kernels is not None and dev.type == "cpu" and logits.dtype == torch.float32:
+    if st.kernels is not None and logits.dtype == torch.float32:  # kernels: the CPU's, where the plan runs them
         return st.kernels.sampling_cutoffs(logits, top_k, top_p)
     sorted_logits = logits.sort(dim=-1, descending=True).values
     drop = torch.arange(v, device=dev)[None, :] >= top_k[:, None]
@@ -161,12 +163,13 @@ def sample_from_probs(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tenso
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0,
+                 kernels: CpuKernels | None = None) -> None:
         self.vocab_size = vocab_size
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
-        self.kernels: CpuKernels | None = None  # set by the worker where the compiled CPU kernels run
+        self.kernels = kernels  # the compiled CPU kernels' cut-offs, where the execution plan runs them
 
     def sample(self, logits: torch.Tensor, st: SamplingTensors,
                generators: list[torch.Generator | None]) -> torch.Tensor:

@@ -56,14 +56,18 @@ def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000, htt
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.info("dtype %s (%s)%s", str(engine.dtype).removeprefix("torch."), engine.dtype_reason,
              ", weight-only int8 projections (--quantization int8)" if engine.config.quantization == "int8" else "")
-    worker = engine.core.worker
-    if worker.memory_profile is not None:
-        log.info("%s", worker.memory_profile.describe(worker.num_blocks, engine.config.block_size))
+    info = engine.info
+    plan = info.plan.describe()
+    log.info("execution plan: %s", "; ".join(f"{k} {v}" for k, v in plan.items() if k != "draft"))
+    if "draft" in plan:
+        log.info("draft plan: %s", "; ".join(f"{k} {v}" for k, v in plan["draft"].items()))  # type: ignore[union-attr]
+    if info.memory_profile is not None:
+        log.info("%s", info.memory_profile.describe(info.num_blocks, engine.config.block_size))
     else:
-        log.info("KV cache: %d blocks = %d tokens", worker.num_blocks, worker.num_blocks * engine.config.block_size)
-    if worker.graph_capture_s is not None:
+        log.info("KV cache: %d blocks = %d tokens", info.num_blocks, info.num_blocks * engine.config.block_size)
+    if info.graph_capture_s is not None:
         log.info("CUDA graphs: decode captured at %d batch sizes up to %d in %.2f s (--enforce-eager turns them off)",
-                 len(worker.runner.decode_graphs), max(worker.runner.decode_graphs), worker.graph_capture_s)
+                 len(info.decode_graph_sizes), max(info.decode_graph_sizes), info.graph_capture_s)
     if engine.warmup_s is not None:
         log.info("warm-up: %.2f s (one forward per decode batch size and prefill length bucket)", engine.warmup_s)
     a = engine.allocator_settings

@@ -1,1 +1,2 @@
-"""Lossless speculative decoding: proposers, the rejection sampler, adaptive k, statistics."""
+"""Lossless speculative decoding: proposers (draft model, n-gram, hybrid), adaptive k, statistics.
+The rejection sampler they feed lives in ``tailserve.sample.rejection``."""

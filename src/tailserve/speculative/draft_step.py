@@ -21,6 +21,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from tailserve.attention.backend import upcasts_attention
 from tailserve.attention.reference import decode_metadata
 from tailserve.model.config import ModelArchConfig
 from tailserve.model.llama import LlamaFamilyModel
@@ -44,6 +45,7 @@ class TorchDraftStep:
 
     def __init__(self, model: LlamaFamilyModel, kv_caches: list[torch.Tensor], device: torch.device) -> None:
         self.model, self.kv_caches, self.device = model, kv_caches, device
+        self.upcast = upcasts_attention(device)
         self.num_forwards = 0
 
     def forward(self, tokens: list[int], kv_slots: torch.Tensor, cos: torch.Tensor,
@@ -51,7 +53,7 @@ class TorchDraftStep:
         self.num_forwards += 1
         q = len(tokens)
         c = kv_slots.shape[0]
-        meta = decode_metadata(kv_slots[c - q :], kv_slots[None], None, q)
+        meta = decode_metadata(kv_slots[c - q :], kv_slots[None], None, q, self.upcast)
         hidden = self.model.forward(torch.tensor(tokens, device=self.device), None, self.kv_caches, meta,
                                     rope=(cos, sin))
         if q > 1:

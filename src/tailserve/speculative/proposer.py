@@ -9,11 +9,12 @@ drafts to make (``k``, 0 = catch up only).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from tailserve.attention.backend import AttentionBackend
+from tailserve.attention.backend import AttentionBackend, upcasts_attention
 from tailserve.attention.reference import build_attention_metadata, decode_metadata
 from tailserve.model.config import ModelArchConfig
 from tailserve.model.llama import LlamaFamilyModel
@@ -46,9 +47,24 @@ class Proposal:
     num_forwards: int | None = None
 
 
+class Proposer(Protocol):
+    """What the model runner calls, and what a proposer declares about itself once (the
+    runner never asks its type): whether a draft model's K/V must follow the accepted tokens
+    (``uses_draft_kv``), and whether its drafts come with q for the rejection sampler
+    (``needs_draft_probs``; one-hot q is implied otherwise)."""
+
+    uses_draft_kv: bool
+    needs_draft_probs: bool
+
+    def propose(self, inputs: list[ProposalInput]) -> Proposal: ...
+
+
 class NgramProposer:
     """Prompt lookup: find the most recent earlier occurrence of the context's last n tokens
     (n from ngram_max down to ngram_min) and propose what followed it."""
+
+    uses_draft_kv = False
+    needs_draft_probs = False
 
     def __init__(self, ngram_min: int, ngram_max: int) -> None:
         if not 1 <= ngram_min <= ngram_max:
@@ -111,10 +127,14 @@ class DraftModelProposer:
     of drafts is decided before verification, like a per-round k.
     """
 
+    uses_draft_kv = True
+    needs_draft_probs = True
+
     def __init__(self, model: LlamaFamilyModel, arch: ModelArchConfig, kv_caches: list[torch.Tensor],
                  block_size: int, device: torch.device, generator: torch.Generator,
                  stop_margin: float = 0.0, single_step: DraftStep | None = None,
-                 attn_backend: AttentionBackend | None = None, scratch_slot: int | None = None) -> None:
+                 attn_backend: AttentionBackend | None = None, scratch_slot: int | None = None,
+                 sampling_kernels=None, batched_single_rows: bool | None = None) -> None:
         self.model, self.arch, self.kv_caches = model, arch, kv_caches
         # A cache slot outside every request's blocks: where a ragged catch-up's padding
         # tokens write their K/V, so the cached values they repeat stay bitwise as they were.
@@ -123,10 +143,17 @@ class DraftModelProposer:
         # metadata, and for the chain the slot tables computed once per round.
         self.attn_backend = attn_backend
         self.block_size, self.device, self.generator = block_size, device, generator
-        self.sampling_kernels = None  # model.cpu_kernels.CpuKernels, set by the worker on the CPU
+        self.sampling_kernels = sampling_kernels  # kernels.cpu.CpuKernels where the plan runs them
         self.stop_margin = stop_margin
+        self.upcast = upcasts_attention(device)
         # A single sequence's chain steps (see draft_step.py): PyTorch, or NumPy on the CPU.
         self.single_step: DraftStep = single_step or TorchDraftStep(model, kv_caches, device)
+        # Whether a one-row chain step also goes through the batched path (the backend's
+        # kernel): the plan's chain step "batched". Default: where a backend is given and
+        # the single step is not NumPy's.
+        if batched_single_rows is None:
+            batched_single_rows = attn_backend is not None and not isinstance(self.single_step, NumpyStepAdapter)
+        self.batched_single_rows = batched_single_rows
         self._block_offsets: torch.Tensor | None = None
 
     @property
@@ -240,7 +267,7 @@ class DraftModelProposer:
                                  sample_last=[True] * len(active))
         width = max(ctx)
         c0 = step + _CHAIN_MAX_CATCH_UP - query_len  # rotary column of each row's first token
-        if len(sel) == 1 and (self.attn_backend is None or self.numpy_step is not None):
+        if len(sel) == 1 and not self.batched_single_rows:
             r = sel[0]
             return self.single_step.forward(tokens, chain.table[r, : ctx[0]], chain.cos[r, c0 : c0 + query_len, None],
                                             chain.sin[r, c0 : c0 + query_len, None])
@@ -258,7 +285,7 @@ class DraftModelProposer:
             slot_mapping = kv_slots.gather(1, positions.view(len(sel), query_len)).view(-1)
             uniform = all(c == width for c in ctx)
             meta = decode_metadata(slot_mapping, kv_slots, None if uniform else
-                                   torch.tensor(ctx, dtype=torch.long, device=self.device), query_len)
+                                   torch.tensor(ctx, dtype=torch.long, device=self.device), query_len, self.upcast)
         if pad is not None and self.scratch_slot is not None:
             # Row r's first pad[r] tokens only repeat cached ones: their writes go to scratch.
             for r, n in enumerate(pad):
@@ -285,7 +312,7 @@ class DraftModelProposer:
             meta = self.attn_backend.build(qlens, ctx, tables)
         else:
             meta = build_attention_metadata(qlens, ctx, tables, self.block_size, self.arch.sliding_window,
-                                            self.device)
+                                            self.device, self.upcast)
         hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device),
                             self.kv_caches, meta)
         if not rows:
@@ -342,6 +369,9 @@ class HybridProposer:
     drafts for it. Lookup drafts go to the rejection sampler with a one-hot q, so sampling
     stays exact in a batch that mixes both kinds.
     """
+
+    uses_draft_kv = True
+    needs_draft_probs = True
 
     def __init__(self, draft: DraftModelProposer, ngram: NgramProposer, vocab_size: int) -> None:
         self.draft, self.ngram, self.vocab_size = draft, ngram, vocab_size

@@ -8,7 +8,7 @@ pretend. A value already in the environment and a different one in the engine's
 configuration is a conflict too: one of them would be silently dropped.
 
 ``garbage_collection_threshold`` only acts when a per-process memory fraction is set
-(``torch.cuda.set_per_process_memory_fraction``, which ``--gpu-memory-utilization`` sets):
+(``torch.cuda.set_per_process_memory_fraction``, which ``--cuda-memory-fraction`` sets):
 without one PyTorch ignores it, and ``apply_alloc_conf`` warns once.
 """
 
@@ -79,7 +79,7 @@ def apply_alloc_conf(requested: str | None, memory_fraction: float | None = None
     warnings = []
     if conf.garbage_collection_threshold > 0 and memory_fraction is None:
         msg = ("garbage_collection_threshold has no effect without a per-process memory fraction; "
-               "set --gpu-memory-utilization (or torch.cuda.set_per_process_memory_fraction)")
+               "set --cuda-memory-fraction (torch.cuda.set_per_process_memory_fraction)")
         log.warning(msg)
         warnings.append(msg)
     return AllocatorSettings(text, source, conf, memory_fraction, tuple(warnings))

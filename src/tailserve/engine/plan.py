@@ -1,0 +1,334 @@
+"""The execution plan: every "how does this run here" decision, made once, before anything loads.
+
+``plan_target(config, arch, device, caps)`` and ``plan_draft(...)`` are pure functions of the
+engine's configuration, the checkpoint's architecture, the device and what the platform can
+do (``Capabilities``, detected once by ``detect_capabilities``). They return frozen plans that
+hold each decision with the reason for it: the dtype, how linear layers multiply, which
+norms and activations run, whether a decode step is one compiled call per layer, the
+attention backend, the CUDA-graph buckets, the sampler's kernels and, for a draft model, its
+dtype, chain step and backend. The worker only applies a plan (load, size, build); nothing
+is changed on an object after it is built, and the hot path never asks again what the
+plan decided. The plan is logged at start-up and shown in ``/health``: "why is it slow
+here" starts with what runs and why.
+
+Tested as a table (tests/test_plan.py): (device, dtype, flags, kernels available) -> plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from dataclasses import dataclass, field
+
+import torch
+
+from tailserve.config import EngineConfig, decode_graph_batch_sizes
+from tailserve.errors import ConfigError
+from tailserve.model.config import ModelArchConfig, parse_dtype
+from tailserve.platform_info import cpu_flags, resolve_auto_dtype
+from tailserve.speculative.numpy_draft import NUMPY_DRAFT_MAX_PARAMETERS
+
+# The CPU decode kernel's limits (kernels/cpu/gemv_avx2.c): float32 caches, head sizes that
+# are multiples of 8, at most 512.
+_CPU_DECODE_MAX_HEAD_DIM = 512
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What this platform can do, detected once (``detect_capabilities``) or written by hand
+    in a test. ``cpu_kernels``: the compiled CPU kernels built and loaded here."""
+
+    cpu_flags: frozenset[str] = frozenset()
+    cpu_kernels: bool = False
+    cpu_kernels_reason: str = "not detected"
+    onednn: bool = False
+    cuda: bool = False
+    cuda_capability: tuple[int, int] | None = None
+    triton: bool = False
+
+    @property
+    def cpu_capability(self) -> str:
+        """The vector extensions that matter here, as a short word for logs and figures."""
+        f = self.cpu_flags
+        if not f:
+            return "unknown"
+        parts = ["AVX-512" if "avx512f" in f else "AVX2" if "avx2" in f else "no AVX2"]
+        if f & {"avx512_bf16", "amx_bf16", "bf16"}:
+            parts.append("bf16")
+        return " ".join(parts)
+
+
+def detect_capabilities(device: torch.device, want_cpu_kernels: bool = True) -> Capabilities:
+    """Look at this process's platform once. The compiled CPU kernels are built (about a
+    second, then cached) only when the device is the CPU and they are wanted."""
+    from tailserve.model.linear import onednn_available
+
+    kernels_ok, reason = False, "--no-cpu-kernels"
+    if device.type == "cpu" and want_cpu_kernels:
+        from tailserve.kernels import cpu as cpu_kernels
+
+        kernels_ok = cpu_kernels.kernels() is not None
+        reason = "built" if kernels_ok else cpu_kernels.unavailable_reason() or "unavailable"
+    elif device.type != "cpu":
+        reason = "not a CPU device"
+    cuda = device.type == "cuda" and torch.cuda.is_available()
+    try:
+        import triton  # noqa: F401
+
+        has_triton = True
+    except ImportError:
+        has_triton = False
+    return Capabilities(cpu_flags=cpu_flags(), cpu_kernels=kernels_ok, cpu_kernels_reason=reason,
+                        onednn=device.type == "cpu" and onednn_available(), cuda=cuda,
+                        cuda_capability=torch.cuda.get_device_capability(device) if cuda else None,
+                        triton=has_triton)
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """How every projection of one model multiplies (``model.linear.build_linear_method``).
+
+    method: "plain" | "onednn-packed" | "cpu-compact-weights" | "int8-weight-only";
+    compact_dtype: the checkpoint dtype compact weights stay in (cpu-compact-weights);
+    keep_float32: also keep the float32 weights for batches above the kernel's rows;
+    cpu_kernels: small int8 batches through the compiled kernel."""
+
+    method: str
+    reason: str
+    compact_dtype: torch.dtype | None = None
+    keep_float32: bool = False
+    cpu_kernels: bool = False
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """The decisions one model (target or draft) shares: dtype, linear method, layer ops,
+    attention backend and whether decode layers fuse into one compiled call."""
+
+    dtype: torch.dtype
+    dtype_reason: str
+    linear: LinearPlan
+    layer_ops: str  # "torch" | "cpu-kernels"
+    layer_ops_reason: str
+    attention_backend: str  # "torch-reference" | "cpu-decode" | "triton-paged"
+    attention_reason: str
+    fuse_decode_layers: bool
+    fuse_reason: str
+
+    def describe(self) -> dict[str, str]:
+        return {
+            "dtype": f"{_name(self.dtype)} ({self.dtype_reason})",
+            "linear": f"{self.linear.method} ({self.linear.reason})",
+            "layer_ops": f"{self.layer_ops} ({self.layer_ops_reason})",
+            "attention": f"{self.attention_backend} ({self.attention_reason})",
+            "fused_decode_layers": f"{'yes' if self.fuse_decode_layers else 'no'} ({self.fuse_reason})",
+        }
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """How the draft model runs: its folder and architecture, its own ``ModelPlan``, and its
+    chain step for one sequence ("numpy", "torch", or "batched": always through its backend)."""
+
+    model_dir: pathlib.Path
+    arch: ModelArchConfig
+    model: ModelPlan
+    chain_step: str
+    chain_reason: str
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def numpy_step(self) -> bool:
+        return self.chain_step == "numpy"
+
+    def describe(self) -> dict[str, str]:
+        return {**self.model.describe(), "chain_step": f"{self.chain_step} ({self.chain_reason})"}
+
+
+@dataclass(frozen=True)
+class TargetPlan:
+    """Every platform decision of one engine: the target model's, the sampler's, the CUDA-graph
+    buckets, and the draft model's (None without one)."""
+
+    device: torch.device
+    model: ModelPlan
+    decode_graph_sizes: tuple[int, ...]
+    graphs_reason: str
+    sampler_kernels: bool
+    sampler_reason: str
+    cpu_capability: str
+    draft: DraftPlan | None = field(default=None)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    def with_draft(self, draft: DraftPlan | None) -> TargetPlan:
+        return TargetPlan(self.device, self.model, self.decode_graph_sizes, self.graphs_reason,
+                          self.sampler_kernels, self.sampler_reason, self.cpu_capability, draft)
+
+    def describe(self) -> dict[str, object]:
+        """The plan as plain strings (the start-up log and ``/health``)."""
+        graphs = ", ".join(map(str, self.decode_graph_sizes)) if self.decode_graph_sizes else "none"
+        out: dict[str, object] = {
+            "device": str(self.device), "cpu": self.cpu_capability, **self.model.describe(),
+            "decode_graphs": f"{graphs} ({self.graphs_reason})",
+            "sampler": f"{'compiled cut-offs' if self.sampler_kernels else 'torch'} ({self.sampler_reason})",
+        }
+        if self.draft is not None:
+            out["draft"] = self.draft.describe()
+        return out
+
+
+def _linear_plan(device: torch.device, dtype: torch.dtype, checkpoint_dtype: torch.dtype, config: EngineConfig,
+                 caps: Capabilities, quantization: str | None, keep_float32: bool = False) -> LinearPlan:
+    cpu = device.type == "cpu"
+    kernels = cpu and config.cpu_kernels and caps.cpu_kernels
+    if quantization == "int8":
+        return LinearPlan("int8-weight-only", "--quantization int8" + (
+            "; batches of up to 16 rows through the compiled CPU kernel" if kernels and dtype == torch.float32
+            else ""), cpu_kernels=kernels)
+    # A float32 model of a bf16/fp16 checkpoint on the CPU keeps the weights in the
+    # checkpoint's dtype (widening is exact: the same products, half the bytes) where the
+    # compiled kernels run.
+    if kernels and dtype == torch.float32 and checkpoint_dtype in (torch.bfloat16, torch.float16):
+        return LinearPlan("cpu-compact-weights",
+                          f"float32 arithmetic over the {_name(checkpoint_dtype)} weights as stored",
+                          compact_dtype=checkpoint_dtype, keep_float32=keep_float32)
+    if cpu and config.cpu_onednn and caps.onednn:
+        why = "oneDNN's blocked weight layout"
+        if cpu and dtype == torch.float32 and checkpoint_dtype in (torch.bfloat16, torch.float16):
+            why += f" (compact weights need the compiled CPU kernels: {_kernels_off(config, caps)})"
+        return LinearPlan("onednn-packed", why)
+    return LinearPlan("plain", "F.linear" + ("" if not cpu else " (--no-cpu-onednn)" if not config.cpu_onednn
+                                             else " (oneDNN unavailable)"))
+
+
+def _kernels_off(config: EngineConfig, caps: Capabilities) -> str:
+    return "--no-cpu-kernels" if not config.cpu_kernels else caps.cpu_kernels_reason
+
+
+def _cpu_decode_handles(head_dim: int, dtype: torch.dtype) -> bool:
+    return head_dim % 8 == 0 and head_dim <= _CPU_DECODE_MAX_HEAD_DIM and dtype == torch.float32
+
+
+def _model_plan(device: torch.device, dtype: torch.dtype, dtype_reason: str, arch: ModelArchConfig,
+                config: EngineConfig, caps: Capabilities, linear: LinearPlan, tp_size: int,
+                attention: str) -> ModelPlan:
+    cpu = device.type == "cpu"
+    kernels = cpu and config.cpu_kernels and caps.cpu_kernels
+    if kernels and dtype == torch.float32:
+        ops, ops_why = "cpu-kernels", "float32 on the CPU: one compiled pass per norm and activation"
+    else:
+        ops = "torch"
+        ops_why = ("not a CPU device" if not cpu else f"compiled CPU kernels off: {_kernels_off(config, caps)}"
+                   if not kernels else f"{_name(dtype)}: the compiled kernels compute float32")
+    if attention == "auto":
+        if ops == "cpu-kernels" and _cpu_decode_handles(arch.head_dim, dtype):
+            backend, backend_why = "cpu-decode", "float32 CPU with the compiled kernels: paged decode kernel " \
+                                                 "for steps of up to 16 tokens a sequence"
+        else:
+            backend = "torch-reference"
+            backend_why = "auto: the reference (the Triton kernel has passed only its interpreter tests)" \
+                if not cpu else "auto on the CPU without the decode kernel (" + (
+                    ops_why if ops != "cpu-kernels" else f"head size {arch.head_dim} or dtype unsupported") + ")"
+    elif attention == "torch":
+        backend, backend_why = "torch-reference", "--attention-backend torch"
+    elif attention == "triton":
+        if not caps.triton:
+            raise ConfigError("attention_backend: attention backend 'triton' needs Triton: pip install triton")
+        backend, backend_why = "triton-paged", "--attention-backend triton"
+    else:
+        raise ConfigError(f"attention_backend: unknown attention backend {attention!r}")
+    fuse = backend == "cpu-decode" and tp_size == 1 and not arch.qk_norm
+    if fuse:
+        fuse_why = "decode steps of up to 16 rows in one compiled call per layer (layers with compact or int8 " \
+                   "weights and no biases)"
+    else:
+        fuse_why = ("the CPU decode backend is not in use" if backend != "cpu-decode"
+                    else "tensor parallelism" if tp_size != 1 else "q/k norms")
+    return ModelPlan(dtype, dtype_reason, linear, ops, ops_why, backend, backend_why, fuse, fuse_why)
+
+
+def plan_target(config: EngineConfig, arch: ModelArchConfig, device: torch.device, caps: Capabilities,
+                tp_size: int = 1) -> TargetPlan:
+    """The target model's plan, and the engine-wide decisions (sampler, graphs)."""
+    if config.dtype == "auto":
+        dtype, dtype_reason = resolve_auto_dtype(arch.dtype, device, caps.cpu_flags)
+    else:
+        dtype, dtype_reason = parse_dtype(config.dtype), "--dtype"
+    linear = _linear_plan(device, dtype, arch.dtype, config, caps, config.quantization)
+    if linear.method == "cpu-compact-weights":
+        dtype_reason += f"; weights kept in {_name(arch.dtype)} as stored (float32 arithmetic, compiled AVX2 kernels)"
+    model = _model_plan(device, dtype, dtype_reason, arch, config, caps, linear, tp_size, config.attention_backend)
+    cuda = device.type == "cuda"
+    graph_capture = model.attention_backend in ("torch-reference", "triton-paged")
+    if cuda and not config.enforce_eager and tp_size == 1 and graph_capture:
+        sizes, why = tuple(decode_graph_batch_sizes(config.max_num_seqs)), "CUDA graphs for decode steps"
+    else:
+        sizes = ()
+        why = ("not CUDA" if not cuda else "--enforce-eager" if config.enforce_eager
+               else "tensor parallelism" if tp_size != 1 else f"{model.attention_backend} cannot be captured")
+    kernels = device.type == "cpu" and config.cpu_kernels and caps.cpu_kernels
+    sampler_why = "top-k / top-p cut-offs by quickselect in the compiled kernels" if kernels else (
+        "not a CPU device" if device.type != "cpu" else f"sort-based cut-offs ({_kernels_off(config, caps)})")
+    return TargetPlan(device, model, sizes, why, kernels, sampler_why, caps.cpu_capability)
+
+
+def uses_draft_model(config: EngineConfig) -> bool:
+    """Whether the speculative method runs a draft model (n-gram lookup has none)."""
+    return config.speculative_method in ("draft_model", "hybrid")
+
+
+def plan_draft(config: EngineConfig, draft_dir: pathlib.Path, arch: ModelArchConfig, device: torch.device,
+               caps: Capabilities, target_dtype: torch.dtype) -> DraftPlan:
+    """The draft model's plan (its own precision; the target's attention choice)."""
+    cpu = device.type == "cpu"
+    kernels = cpu and config.cpu_kernels and caps.cpu_kernels
+    half = arch.dtype in (torch.bfloat16, torch.float16)
+    # A bf16/fp16 draft checkpoint on a CPU with the compiled kernels runs in float32 over its
+    # compact weights, single sequences included: measured on the built-in pair at batch 1
+    # (docs/benchmarks.md), greedy 352 tok/s against 291 with the NumPy step.
+    compact = kernels and half and config.speculative_draft_dtype in ("auto", "float32")
+    numpy_step = config.speculative_draft_numpy
+    if numpy_step is None:
+        numpy_step = (cpu and config.speculative_draft_dtype in ("auto", "float32") and arch.sliding_window is None
+                      and arch.num_parameters <= NUMPY_DRAFT_MAX_PARAMETERS and not compact)
+    elif numpy_step and arch.sliding_window is not None:
+        raise ConfigError("speculative_draft_numpy: the NumPy draft step has no sliding window, "
+                          "and this draft model uses one")
+    if config.speculative_draft_dtype != "auto":
+        dtype, why = parse_dtype(config.speculative_draft_dtype), "--speculative-draft-dtype"
+    elif numpy_step or compact:
+        dtype = torch.float32
+        why = "float32 for the NumPy chain step" if numpy_step else \
+            f"float32 over compact {_name(arch.dtype)} weights (compiled kernels)"
+    else:
+        dtype, why = target_dtype, "the target's dtype"
+    # Batched chain steps of up to 16 rows through the compiled kernels on compact weights;
+    # the float32 weights are kept too for more rows (a draft is small).
+    linear = _linear_plan(device, dtype, arch.dtype, config, caps, None, keep_float32=True)
+    # The draft's batched forwards take the CPU decode kernel where the target's auto would,
+    # and otherwise the proposer's own reference metadata (slot tables computed once per
+    # round); a sliding-window draft always takes the reference's general builder.
+    auto = config.attention_backend == "auto" and arch.sliding_window is None
+    model = _model_plan(device, dtype, why, arch, config, caps, linear, 1, "auto" if auto else "torch")
+    if not auto:
+        why_ref = "a sliding-window draft: the reference's general builder" if arch.sliding_window is not None \
+            else f"the proposer's reference metadata (--attention-backend {config.attention_backend})"
+        model = dataclasses.replace(model, attention_reason=why_ref)
+    if model.attention_backend == "cpu-decode" and not numpy_step:
+        chain, chain_why = "batched", "every chain step through the CPU decode kernel, single sequences included"
+    elif numpy_step:
+        chain, chain_why = "numpy", "a single sequence's steps in NumPy (small float32 draft on the CPU)" \
+            if config.speculative_draft_numpy is None else "--speculative-draft-numpy"
+    else:
+        chain, chain_why = "torch", "a single sequence's steps through the draft's own PyTorch forward"
+    return DraftPlan(draft_dir, arch, model, chain, chain_why)

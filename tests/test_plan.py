@@ -1,0 +1,177 @@
+"""The execution plan as a table: (device, dtype, flags, kernels available) -> plan.
+
+``plan_target`` / ``plan_draft`` are pure functions of the configuration, the architecture,
+the device and hand-written ``Capabilities``, so every platform is planned here on the CPU,
+CUDA included (a fake capability: nothing touches a GPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import pytest
+import torch
+
+from tailserve.config import EngineConfig, decode_graph_batch_sizes
+from tailserve.engine.plan import Capabilities, plan_draft, plan_target, uses_draft_model
+from tailserve.errors import ConfigError
+from tailserve.model.config import ModelArchConfig, RopeConfig
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+AVX2 = frozenset({"avx2", "fma", "f16c"})
+AVX512_BF16 = AVX2 | {"avx512f", "avx512_bf16"}
+
+AVX2_KERNELS = Capabilities(AVX2, cpu_kernels=True, cpu_kernels_reason="built", onednn=True)
+AVX512_KERNELS = Capabilities(AVX512_BF16, cpu_kernels=True, cpu_kernels_reason="built", onednn=True)
+NO_KERNELS = Capabilities(AVX2, cpu_kernels=False, cpu_kernels_reason="no C compiler found", onednn=True)
+H200 = Capabilities(AVX2, cuda=True, cuda_capability=(9, 0), triton=True)
+
+
+def arch(dtype: torch.dtype = torch.bfloat16, head_dim: int = 64, qk_norm: bool = False,
+         sliding_window: int | None = None, hidden: int = 512, layers: int = 8) -> ModelArchConfig:
+    return ModelArchConfig("LlamaForCausalLM", 4096, hidden, 1408, layers, 8, 2, head_dim, 1e-5, 2048, RopeConfig(),
+                           False, False, False, False, qk_norm, sliding_window, dtype, 1, (2,))
+
+
+def config(**kw) -> EngineConfig:
+    return EngineConfig(model="builtin", **kw)
+
+
+def row(plan) -> tuple:
+    m = plan.model
+    return (m.dtype, m.linear.method, m.layer_ops, m.attention_backend, m.fuse_decode_layers, plan.sampler_kernels,
+            len(plan.decode_graph_sizes) > 0)
+
+
+TABLE = [
+    # (case, config, arch, device, caps) -> (dtype, linear, layer ops, attention, fused, sampler kernels, graphs)
+    ("avx2 bf16 checkpoint, auto", config(), arch(), CPU, AVX2_KERNELS,
+     (torch.float32, "cpu-compact-weights", "cpu-kernels", "cpu-decode", True, True, False)),
+    ("avx512-bf16, auto keeps bf16", config(), arch(), CPU, AVX512_KERNELS,
+     (torch.bfloat16, "onednn-packed", "torch", "torch-reference", False, True, False)),
+    ("kernels unavailable", config(), arch(), CPU, NO_KERNELS,
+     (torch.float32, "onednn-packed", "torch", "torch-reference", False, False, False)),
+    ("--no-cpu-kernels", config(cpu_kernels=False), arch(), CPU, AVX2_KERNELS,
+     (torch.float32, "onednn-packed", "torch", "torch-reference", False, False, False)),
+    ("--no-cpu-kernels --no-cpu-onednn", config(cpu_kernels=False, cpu_onednn=False), arch(), CPU, AVX2_KERNELS,
+     (torch.float32, "plain", "torch", "torch-reference", False, False, False)),
+    ("int8", config(quantization="int8"), arch(), CPU, AVX2_KERNELS,
+     (torch.float32, "int8-weight-only", "cpu-kernels", "cpu-decode", True, True, False)),
+    ("float32 checkpoint", config(), arch(torch.float32), CPU, AVX2_KERNELS,
+     (torch.float32, "onednn-packed", "cpu-kernels", "cpu-decode", True, True, False)),
+    ("explicit bfloat16 on avx2", config(dtype="bfloat16"), arch(), CPU, AVX2_KERNELS,
+     (torch.bfloat16, "onednn-packed", "torch", "torch-reference", False, True, False)),
+    ("q/k norms (Qwen3): no fused layers", config(), arch(qk_norm=True), CPU, AVX2_KERNELS,
+     (torch.float32, "cpu-compact-weights", "cpu-kernels", "cpu-decode", False, True, False)),
+    ("head size the kernel cannot take", config(), arch(head_dim=60), CPU, AVX2_KERNELS,
+     (torch.float32, "cpu-compact-weights", "cpu-kernels", "torch-reference", False, True, False)),
+    ("CUDA", config(device="cuda"), arch(), CUDA, H200,
+     (torch.bfloat16, "plain", "torch", "torch-reference", False, False, True)),
+    ("CUDA --enforce-eager", config(device="cuda", enforce_eager=True), arch(), CUDA, H200,
+     (torch.bfloat16, "plain", "torch", "torch-reference", False, False, False)),
+    ("CUDA triton", config(device="cuda", attention_backend="triton"), arch(), CUDA, H200,
+     (torch.bfloat16, "plain", "torch", "triton-paged", False, False, True)),
+    ("CUDA int8", config(device="cuda", quantization="int8"), arch(), CUDA, H200,
+     (torch.bfloat16, "int8-weight-only", "torch", "torch-reference", False, False, True)),
+    ("triton on the CPU (interpreter)", config(attention_backend="triton"), arch(), CPU,
+     dataclasses.replace(AVX2_KERNELS, triton=True),
+     (torch.float32, "cpu-compact-weights", "cpu-kernels", "triton-paged", False, True, False)),
+]
+
+
+@pytest.mark.parametrize("case,cfg,a,device,caps,want", TABLE, ids=[t[0] for t in TABLE])
+def test_target_plan_table(case, cfg, a, device, caps, want):
+    plan = plan_target(cfg, a, device, caps)
+    assert row(plan) == want
+    # Every decision says why, and the whole plan reads as plain strings.
+    described = plan.describe()
+    assert all(isinstance(v, str) and "(" in v for k, v in described.items() if k not in ("device", "cpu"))
+
+
+def test_reasons_name_what_turned_a_path_off():
+    off = plan_target(config(), arch(), CPU, NO_KERNELS).describe()
+    assert "no C compiler found" in off["linear"] and "no C compiler found" in off["sampler"]
+    flag = plan_target(config(cpu_kernels=False), arch(), CPU, AVX2_KERNELS).describe()
+    assert "--no-cpu-kernels" in flag["layer_ops"]
+    auto = plan_target(config(), arch(), CPU, AVX2_KERNELS)
+    assert "no native bfloat16" in auto.model.dtype_reason and "kept in bfloat16" in auto.model.dtype_reason
+    assert plan_target(config(), arch(), CPU, AVX512_KERNELS).cpu_capability == "AVX-512 bf16"
+    assert plan_target(config(), arch(), CPU, AVX2_KERNELS).cpu_capability == "AVX2"
+
+
+def test_cuda_graph_buckets_and_what_turns_them_off():
+    plan = plan_target(config(device="cuda", max_num_seqs=20), arch(), CUDA, H200)
+    assert list(plan.decode_graph_sizes) == decode_graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert plan_target(config(device="cuda"), arch(), CUDA, H200, tp_size=2).decode_graph_sizes == ()
+    assert "--enforce-eager" in plan_target(config(device="cuda", enforce_eager=True), arch(), CUDA,
+                                            H200).graphs_reason
+
+
+def test_triton_without_triton_is_a_config_error():
+    with pytest.raises(ConfigError, match="needs Triton"):
+        plan_target(config(device="cuda", attention_backend="triton"), arch(), CUDA,
+                    dataclasses.replace(H200, triton=False))
+
+
+def test_tensor_parallel_ranks_fuse_nothing():
+    assert plan_target(config(), arch(), CPU, AVX2_KERNELS, tp_size=2).model.fuse_decode_layers is False
+
+
+DRAFT_DIR = pathlib.Path("/nonexistent/draft")  # the plan names the folder; it reads nothing
+SMALL_F32 = arch(torch.float32, hidden=128, layers=2)  # ~1M parameters: NumPy-step size
+
+
+DRAFT_TABLE = [
+    # (case, config, draft arch, caps, target dtype) -> (dtype, linear, keep fp32, attention, chain)
+    ("bf16 draft, kernels", config(speculative_method="draft_model", speculative_model="builtin"), arch(),
+     AVX2_KERNELS, torch.float32, (torch.float32, "cpu-compact-weights", True, "cpu-decode", "batched")),
+    ("small float32 draft: NumPy chain", config(speculative_method="draft_model", speculative_model="builtin"),
+     SMALL_F32, AVX2_KERNELS, torch.float32, (torch.float32, "onednn-packed", False, "cpu-decode", "numpy")),
+    ("bf16 draft, no kernels", config(speculative_method="draft_model", speculative_model="builtin"), arch(),
+     NO_KERNELS, torch.float32, (torch.float32, "onednn-packed", False, "torch-reference", "torch")),
+    ("hybrid, bf16 draft", config(speculative_method="hybrid", speculative_model="builtin"), arch(),
+     AVX2_KERNELS, torch.float32, (torch.float32, "cpu-compact-weights", True, "cpu-decode", "batched")),
+    ("sliding-window draft", config(speculative_method="draft_model", speculative_model="builtin"),
+     arch(sliding_window=64), AVX2_KERNELS, torch.float32,
+     (torch.float32, "cpu-compact-weights", True, "torch-reference", "torch")),
+    ("explicit bf16 draft", config(speculative_method="draft_model", speculative_model="builtin",
+                                   speculative_draft_dtype="bfloat16"), arch(), AVX2_KERNELS, torch.float32,
+     (torch.bfloat16, "onednn-packed", False, "torch-reference", "torch")),
+    ("--speculative-draft-numpy", config(speculative_method="draft_model", speculative_model="builtin",
+                                         speculative_draft_numpy=True), arch(), AVX2_KERNELS, torch.float32,
+     (torch.float32, "cpu-compact-weights", True, "cpu-decode", "numpy")),
+    ("CUDA draft: the target's dtype", config(device="cuda", speculative_method="draft_model",
+                                              speculative_model="builtin"), arch(), H200, torch.bfloat16,
+     (torch.bfloat16, "plain", False, "torch-reference", "torch")),
+]
+
+
+@pytest.mark.parametrize("case,cfg,a,caps,target_dtype,want", DRAFT_TABLE, ids=[t[0] for t in DRAFT_TABLE])
+def test_draft_plan_table(case, cfg, a, caps, target_dtype, want):
+    device = torch.device(cfg.device if cfg.device == "cpu" else "cuda", 0) if cfg.device != "cpu" else CPU
+    d = plan_draft(cfg, DRAFT_DIR, a, device, caps, target_dtype)
+    assert (d.dtype, d.model.linear.method, d.model.linear.keep_float32, d.model.attention_backend,
+            d.chain_step) == want
+    assert uses_draft_model(cfg)
+    assert "chain_step" in d.describe()
+
+
+def test_ngram_plans_no_draft_model():
+    assert not uses_draft_model(config(speculative_method="ngram"))
+    assert not uses_draft_model(config())
+
+
+def test_numpy_step_refuses_a_sliding_window():
+    cfg = config(speculative_method="draft_model", speculative_model="builtin", speculative_draft_numpy=True)
+    with pytest.raises(ConfigError, match="sliding window"):
+        plan_draft(cfg, DRAFT_DIR, arch(sliding_window=64), CPU, AVX2_KERNELS, torch.float32)
+
+
+def test_the_worker_applies_its_plan_and_reports_it(llm_builtin_spec):
+    """The engine's plan is the one the table predicts for this machine, and /health shows it."""
+    eng = llm_builtin_spec.engine
+    plan = eng.info.plan
+    assert plan.draft is not None
+    assert eng.runner.uses_draft_kv and eng.runner.needs_draft_probs
+    assert eng.runner.attn_backend.name == plan.model.attention_backend
+    assert eng.health()["plan"]["attention"].startswith(plan.model.attention_backend)
