@@ -73,7 +73,6 @@ def test_cli_uses_the_builtin_model_by_default():
     assert p.stdout.startswith("def fibonacci(n):") and len(p.stdout.strip()) > len("def fibonacci(n):")
 
 
-@pytest.mark.slow
 def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     """Run a command; on failure the assertion shows its stderr, not only the exit code."""
     out = subprocess.run(cmd, capture_output=True, text=True, **kw)
@@ -81,6 +80,7 @@ def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     return out
 
 
+@pytest.mark.slow
 def test_wheel_carries_the_assets_into_a_fresh_venv(tmp_path):
     """pip install of the project into a new virtual environment, outside the source tree."""
     wheel_dir = tmp_path / "wheel"

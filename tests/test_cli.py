@@ -1,4 +1,7 @@
-"""The command line, run as a user would: a subprocess, one-line errors, non-zero exit."""
+"""The command line: run as a user would (a subprocess) where the process itself is the point
+(output, exit codes, a closed pipe, no torch import for --help); the one-line errors through
+``tailserve.cli.main`` in this process (the same parser and handler, without an interpreter
+start per case)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,19 @@ import pytest
 
 def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tailserve", *args], capture_output=True, text=True, timeout=300)
+
+
+def run_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
+    """``tailserve ARGS`` through ``cli.main``: its exit status and what it printed."""
+    from tailserve.cli import main
+
+    capsys.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as e:  # argparse's own errors
+        code = e.code if isinstance(e.code, int) else 2
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), code, out, err)
 
 
 def test_generate_prints_completion(llama_checkpoint):
@@ -34,16 +50,16 @@ def test_closed_stdout_stops_quietly(llama_checkpoint):
     assert "Traceback" not in stderr, stderr
 
 
-def test_missing_model_is_one_line_error(tmp_path):
-    p = run("generate", "--model", str(tmp_path / "missing"), "hello")
+def test_missing_model_is_one_line_error(tmp_path, capsys):
+    p = run_in_process(capsys, "generate", "--model", str(tmp_path / "missing"), "hello")
     assert p.returncode == 2
     assert p.stderr.strip().count("\n") == 0
     assert p.stderr.startswith("tailserve: error:") and "not found" in p.stderr
 
 
-def test_bad_sampling_value_is_one_line_error(llama_checkpoint):
+def test_bad_sampling_value_is_one_line_error(llama_checkpoint, capsys):
     path, _ = llama_checkpoint
-    p = run("generate", "--model", str(path), "--temperature", "-1", "hi")
+    p = run_in_process(capsys, "generate", "--model", str(path), "--temperature", "-1", "hi")
     assert p.returncode == 2 and "temperature must be >= 0" in p.stderr
     assert "Traceback" not in p.stderr
 
@@ -60,18 +76,20 @@ def _one_line_error(p: subprocess.CompletedProcess) -> str:
     (["--port", "-1"], "--port -1: a TCP port is 1-65535"),
     (["--port", "8000", "--http2-port", "70000"], "--http2-port 70000"),
 ])
-def test_bad_ports_are_one_line_errors(flags, message):
-    assert message in _one_line_error(run("serve", *flags))
+def test_bad_ports_are_one_line_errors(flags, message, capsys):
+    assert message in _one_line_error(run_in_process(capsys, "serve", *flags))
 
 
-def test_errors_name_the_flag_the_user_typed(llama_checkpoint):
+def test_errors_name_the_flag_the_user_typed(llama_checkpoint, capsys):
     path, _ = llama_checkpoint
-    assert "--max-tokens must be >= 1" in _one_line_error(run("generate", "--model", str(path), "--max-tokens", "-1",
-                                                              "hi"))
-    assert "--max-num-seqs must be" in _one_line_error(run("generate", "--model", str(path), "--max-num-seqs", "0",
-                                                           "hi"))
-    assert "--kv-cache-memory 1 holds no block" in _one_line_error(
-        run("generate", "--model", str(path), "--kv-cache-memory", "1", "hi"))
+
+    def err(*args: str) -> str:
+        return _one_line_error(run_in_process(capsys, "generate", "--model", str(path), *args, "hi"))
+
+    assert "--max-tokens must be >= 1" in err("--max-tokens", "-1")
+    assert "--max-num-seqs must be" in err("--max-num-seqs", "0")
+    assert "--kv-cache-memory 1 holds no block" in err("--kv-cache-memory", "1")
+    assert "--cuda-memory-fraction" in err("--cuda-memory-fraction", "2")
 
 
 def test_version_and_help_show_defaults_without_importing_torch():

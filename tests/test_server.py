@@ -6,14 +6,13 @@ import concurrent.futures
 import json
 import os
 import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
-from tailserve import LLM, SamplingParams
+from tailserve import SamplingParams
+from tailserve.bench.local_server import LocalServer
 
 
 def _free_port() -> int:
@@ -22,54 +21,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class ServerProcess:
-    def __init__(self, model: str, *flags: str) -> None:
-        self.port, self.port_h2 = _free_port(), _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"  # HTTP/1.1 (Uvicorn)
-        self.url_h2 = f"http://127.0.0.1:{self.port_h2}"  # h2c (Hypercorn)
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tailserve", "serve", "--model", model, "--port", str(self.port),
-             "--http2-port", str(self.port_h2),
-             "--dtype", "float32", *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stdout.read().decode()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        self.stop()
-        raise RuntimeError("server did not come up")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-    def metric(self, name: str) -> float:
-        text = httpx.get(self.url + "/metrics").text
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(name + "{") or line.startswith(name + " "))
+def metric(server: LocalServer, name: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
 
 
 @pytest.fixture(scope="module")
-def server(llama_checkpoint):
-    path, _ = llama_checkpoint
-    s = ServerProcess(str(path), "--kv-cache-memory", "8MiB", "--max-request-body", "256KiB",
-                      "--served-model-name", "tiny", "--gateway-metrics")
-    yield s
-    s.stop()
+def server(tiny_server):
+    return tiny_server
 
 
 @pytest.fixture(scope="module")
-def offline(llama_checkpoint):
+def offline(llama_checkpoint, engine_cache):
     path, _ = llama_checkpoint
-    return LLM(str(path), dtype="float32", kv_cache_memory_bytes=8 << 20)
+    return engine_cache(model=str(path), dtype="float32", kv_cache_memory_bytes=8 << 20)
 
 
 @pytest.fixture(scope="module")
@@ -191,9 +157,9 @@ def test_h2c_connection_outlives_a_thousand_requests(server):
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
     conn.initiate_connection()
     headers = [(":method", "GET"), (":path", "/health"), (":scheme", "http"),
-               (":authority", f"127.0.0.1:{server.port_h2}")]
+               (":authority", f"127.0.0.1:{server.h2_port}")]
     statuses = []
-    with socket.create_connection(("127.0.0.1", server.port_h2), timeout=30) as sock:
+    with socket.create_connection(("127.0.0.1", server.h2_port), timeout=30) as sock:
         sock.sendall(conn.data_to_send())
         for _ in range(1100):
             sid = conn.get_next_available_stream_id()
@@ -392,11 +358,12 @@ def test_dropped_streams_free_every_kv_block(server, protocol):
         t.join()
     deadline = time.time() + 30
     while time.time() < deadline:
-        if server.metric("tailserve:kv_cache_usage_perc") == 0 and server.metric("tailserve:num_requests_running") == 0:
+        if metric(server, "tailserve:kv_cache_usage_perc") == 0 \
+                and metric(server, "tailserve:num_requests_running") == 0:
             break
         time.sleep(0.2)
-    assert server.metric("tailserve:kv_cache_usage_perc") == 0
-    assert server.metric("tailserve:num_requests_running") == 0
+    assert metric(server, "tailserve:kv_cache_usage_perc") == 0
+    assert metric(server, "tailserve:num_requests_running") == 0
     # Freed because the disconnects aborted them, not because they ran to max_tokens.
     assert aborted() - aborted_before == 50
     assert httpx.get(server.url + "/health").status_code == 200
@@ -405,9 +372,8 @@ def test_dropped_streams_free_every_kv_block(server, protocol):
 @pytest.mark.slow
 def test_flood_gets_429_then_accepted_requests_complete(llama_checkpoint):
     path, _ = llama_checkpoint
-    s = ServerProcess(str(path), "--kv-cache-memory", "8MiB", "--max-num-seqs", "1", "--max-waiting-requests", "2",
-                      "--api-key", "sekret")
-    try:
+    with LocalServer(["--model", str(path), "--dtype", "float32", "--no-warmup", "--kv-cache-memory", "8MiB",
+                      "--max-num-seqs", "1", "--max-waiting-requests", "2", "--api-key", "sekret"]) as s:
         auth = {"Authorization": "Bearer sekret"}
         assert httpx.post(s.url + "/v1/completions", json={"prompt": "a"}).status_code == 401
         body = {"prompt": "def flood(x):", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
@@ -422,11 +388,9 @@ def test_flood_gets_429_then_accepted_requests_complete(llama_checkpoint):
         assert 429 in codes and 200 in codes and set(codes) <= {200, 429}
         assert all(ra == "1" for c, ra, _ in results if c == 429)
         assert all(b["usage"]["completion_tokens"] == 40 for c, _, b in results if c == 200)
-        assert s.metric("tailserve:request_success_total") == codes.count(200)
-        assert s.metric("tailserve:request_accepted_total") == codes.count(200)
-        assert s.metric("tailserve:request_rejected_total") == codes.count(429)
-    finally:
-        s.stop()
+        assert metric(s, "tailserve:request_success_total") == codes.count(200)
+        assert metric(s, "tailserve:request_accepted_total") == codes.count(200)
+        assert metric(s, "tailserve:request_rejected_total") == codes.count(429)
 
 
 def test_several_prompts_in_one_request(client, offline):
@@ -441,24 +405,17 @@ def test_several_prompts_in_one_request(client, offline):
     assert texts == ref
 
 
-def test_port_in_use_is_a_one_line_error(server):
-    p = subprocess.run([sys.executable, "-m", "tailserve", "serve", "--port", str(server.port)],
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2
-    assert p.stderr.strip() == f"tailserve: error: cannot listen on 127.0.0.1:{server.port}: Address already in use"
-    p = subprocess.run([sys.executable, "-m", "tailserve", "serve", "--port", str(_free_port()),
-                        "--http2-port", str(server.port_h2)], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2
-    assert p.stderr.strip() == f"tailserve: error: cannot listen on 127.0.0.1:{server.port_h2}: Address already in use"
+def test_port_in_use_is_a_one_line_error(server, capsys):
+    """Checked before the model loads, so through ``cli.main`` in this process (no engine is built)."""
+    from tailserve.cli import main
 
-
-def test_sigterm_stops_the_server_cleanly(llama_checkpoint):
-    path, _ = llama_checkpoint
-    s = ServerProcess(str(path), "--kv-cache-memory", "2MiB")
-    s.proc.terminate()
-    out, _ = s.proc.communicate(timeout=30)
-    assert s.proc.returncode == 0
-    assert b"Traceback" not in out
+    capsys.readouterr()
+    assert main(["serve", "--port", str(server.port)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"tailserve: error: cannot listen on 127.0.0.1:{server.port}: Address already in use"
+    assert main(["serve", "--port", str(_free_port()), "--http2-port", str(server.h2_port)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"tailserve: error: cannot listen on 127.0.0.1:{server.h2_port}: Address already in use"
 
 
 def test_speculative_server_reports_acceptance(llama_checkpoint, offline):
@@ -467,9 +424,8 @@ def test_speculative_server_reports_acceptance(llama_checkpoint, offline):
     is the offline engine's, and each response's timing carries the spec figures
     (non-streaming body and the streamed final chunk), as do the Prometheus counters."""
     path, _ = llama_checkpoint
-    s = ServerProcess(str(path), "--kv-cache-memory", "8MiB", "--speculative-model", str(path),
-                      "--num-speculative-tokens", "3")
-    try:
+    with LocalServer(["--model", str(path), "--dtype", "float32", "--no-warmup", "--kv-cache-memory", "8MiB",
+                      "--speculative-model", str(path), "--num-speculative-tokens", "3"]) as s:
         body = {"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
         ref = offline.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
         r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
@@ -482,16 +438,13 @@ def test_speculative_server_reports_acceptance(llama_checkpoint, offline):
             events = [json.loads(line[6:]) for line in st.iter_lines() if line.startswith("data: {")]
         assert "".join(e["choices"][0]["text"] for e in events) == ref.text
         assert events[-1]["timing"]["spec"]["accepted_tokens"] == events[-1]["timing"]["spec"]["draft_tokens"] > 0
-        assert s.metric("tailserve:spec_decode_num_accepted_tokens_total") > 0
-    finally:
-        s.stop()
+        assert metric(s, "tailserve:spec_decode_num_accepted_tokens_total") > 0
 
 
-def test_served_model_name_defaults_to_model_as_given_and_accepts_the_folder_name(llama_checkpoint):
+def test_served_model_name_defaults_to_model_as_given_and_sigterm_stops_cleanly(llama_checkpoint):
     # vllm bench serve --model /path/to/ckpt sends the path itself as "model".
     path, _ = llama_checkpoint
-    s = ServerProcess(str(path), "--kv-cache-memory", "8MiB")
-    try:
+    with LocalServer(["--model", str(path), "--dtype", "float32", "--no-warmup", "--kv-cache-memory", "2MiB"]) as s:
         ids = [m["id"] for m in httpx.get(s.url + "/v1/models").json()["data"]]
         assert ids == [str(path), path.name]
         for name in ids:
@@ -500,20 +453,17 @@ def test_served_model_name_defaults_to_model_as_given_and_accepts_the_folder_nam
             assert r.json()["model"] == str(path)
         r = httpx.post(s.url + "/v1/completions", json={"model": "other", "prompt": "a", "max_tokens": 2})
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
-    finally:
-        s.stop()
+        s.proc.terminate()
+        assert s.proc.wait(timeout=30) == 0
+        assert "Traceback" not in s.output()
 
 
-def test_several_served_model_names(llama_checkpoint):
+def test_several_served_model_names(server, llama_checkpoint):
     path, _ = llama_checkpoint
-    s = ServerProcess(str(path), "--kv-cache-memory", "8MiB", "--served-model-name", "a", "b")
-    try:
-        ids = [m["id"] for m in httpx.get(s.url + "/v1/models").json()["data"]]
-        assert ids == ["a", "b", path.name]
-        r = httpx.post(s.url + "/v1/completions", json={"model": "b", "prompt": "a", "max_tokens": 2}, timeout=30)
-        assert r.status_code == 200 and r.json()["model"] == "a"
-    finally:
-        s.stop()
+    ids = [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]]
+    assert ids == ["tiny", "fuzz", path.name]
+    r = httpx.post(server.url + "/v1/completions", json={"model": "fuzz", "prompt": "a", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200 and r.json()["model"] == "tiny"
 
 
 def test_tokenize_and_detokenize_as_vllm_serves_them(server, llama_checkpoint, client):

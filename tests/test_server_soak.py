@@ -84,8 +84,8 @@ async def _one(client: httpx.AsyncClient, url: str, rng: random.Random, stats: d
 @pytest.mark.slow
 def test_soak_mixed_load_with_disconnects_leaves_nothing_behind(llama_checkpoint):
     path, _ = llama_checkpoint
-    flags = ["--model", str(path), "--dtype", "float32", "--kv-cache-memory", "2MiB", "--served-model-name", "soak",
-             "--max-num-seqs", "8", "--max-waiting-requests", "8"]
+    flags = ["--model", str(path), "--dtype", "float32", "--no-warmup", "--kv-cache-memory", "2MiB",
+             "--served-model-name", "soak", "--max-num-seqs", "8", "--max-waiting-requests", "8"]
     with LocalServer(flags) as srv:
         stats: dict[str, int] = {k: 0 for k in ("accepted", "completed", "left", "truncated", "http_429",
                                                   "unanswered")}

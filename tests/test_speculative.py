@@ -367,7 +367,7 @@ def test_draft_chain_through_the_cpu_decode_kernel_matches_the_reference(llama_c
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-def test_builtin_bf16_draft_runs_on_compact_weights_and_stays_exact():
+def test_builtin_bf16_draft_runs_on_compact_weights_and_stays_exact(llm_builtin_spec, engine_cache):
     """The built-in pair (bf16 checkpoints) on the CPU: the draft runs in float32 over its
     compact bf16 weights through the compiled kernels, not in NumPy; greedy output equals
     the target's alone at batch 1 and 4, and sampled output keeps a seeded request's tokens
@@ -377,11 +377,11 @@ def test_builtin_bf16_draft_runs_on_compact_weights_and_stays_exact():
 
     if kernels() is None:
         pytest.skip("no compiled CPU kernels")
-    spec = LLM(speculative_model="builtin", num_speculative_tokens=3)
+    spec = llm_builtin_spec
     prop = spec.engine.proposer
     assert prop.numpy_step is None and prop.model.embed_tokens.dtype == torch.float32
     assert isinstance(spec.engine.core.worker.draft_linear_method, CpuCompactWeightsLinearMethod)
-    base = LLM()
+    base = engine_cache()
     prompts = ["def add(a, b):", "class Stack:\n", "import os\n", "for i in range("]
     p = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     for batch in (prompts[:1], prompts):

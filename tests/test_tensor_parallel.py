@@ -139,8 +139,9 @@ def _children(pid: int) -> list[int]:
 
 def _serve_two_ranks(path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tailserve", "serve", "--model", str(path), "--dtype", "float32",
-                             "--port", str(port), "--http2-port", "0", "--tensor-parallel-size", "2"],
+    proc = subprocess.Popen([sys.executable, "-m", "tailserve", "serve", "--no-warmup", "--model", str(path),
+                             "--dtype", "float32", "--port", str(port), "--http2-port", "0",
+                             "--tensor-parallel-size", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     for _ in range(300):

@@ -14,12 +14,14 @@ class TailserveError(Exception):
 class InvalidRequestError(TailserveError, ValueError):
     """A request (prompt or sampling parameters) that cannot be served as given.
 
-    ``param`` names the offending field, as OpenAI's error body does.
+    ``param`` names the offending field, as OpenAI's error body does; ``code`` is the body's
+    machine-readable code where OpenAI defines one (``context_length_exceeded``).
     """
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 class ConfigError(TailserveError, ValueError):
@@ -45,7 +47,3 @@ class UnsupportedArchitectureError(CheckpointError, ValueError):
 class EngineDeadError(TailserveError, RuntimeError):
     """The engine cannot go on (a tensor-parallel worker process died or failed); every
     request in flight fails, and the engine must be restarted."""
-
-
-class OutOfKVCacheError(TailserveError, RuntimeError):
-    """A single request needs more KV-cache blocks than the whole cache holds."""

@@ -16,7 +16,7 @@ size and head size works (``tl.dot`` needs tiles of at least 16); the tensor-cor
 the step after a first GPU run. Correctness is tested on the CPU with Triton's interpreter
 (``TRITON_INTERPRET=1``) against the PyTorch reference backend
 (tests/test_triton_attention.py). It has not run on a GPU yet, so
-``get_attention_backend("auto")`` still picks the reference; ``"triton"`` selects this.
+The execution plan (engine/plan.py) still picks the reference for ``auto``; ``"triton"`` selects this.
 """
 
 from __future__ import annotations

@@ -77,7 +77,9 @@ def run_demo(args: argparse.Namespace) -> int:
           "the standard library), so expect Python-shaped text, not correct programs.", flush=True)
     for label, flags, requests in configs:
         print(f"  {label}: starting tailserve serve {' '.join(flags)} ...", flush=True)
-        with LocalServer(flags) as srv:
+        # --quick (tests, a first look) skips the servers' start-up warm-up: its two warm-up
+        # requests per configuration still pay the first-shape costs before the measured load.
+        with LocalServer([*flags, "--no-warmup"] if args.quick else flags) as srv:
             cfg = LoadConfig(base_url=srv.url, request_rate=rate, num_warmups=2, temperature=TEMPERATURE,
                              top_p=TOP_P, seed=0, extra_body={"seed": 1})
             run = asyncio.run(run_load(cfg, requests, tok))

@@ -57,9 +57,14 @@ class LocalServer:
         self.__exit__(None, None, None)
         raise ConfigError(f"tailserve serve did not answer /health within {self.startup_timeout_s:.0f} s")
 
-    def _tail(self) -> str:
+    def output(self) -> str:
+        """Everything the server printed so far (its log goes to a file, never a pipe that
+        a chatty server could fill)."""
         self._log.seek(0)
-        lines = self._log.read().decode("utf-8", "replace").strip().splitlines()
+        return self._log.read().decode("utf-8", "replace")
+
+    def _tail(self) -> str:
+        lines = self.output().strip().splitlines()
         return lines[-1] if lines else "(no output)"
 
     def __exit__(self, *exc: object) -> None:

@@ -58,11 +58,18 @@ class Processor:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling params must be a SamplingParams", "sampling_params")
         text, ids = self.tokenize(prompt)
+        # One rule for the server and the offline API (vLLM's): the prompt and every token
+        # asked for must fit the context, else the request is refused with both numbers.
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(ids)} tokens but the model's context (max_model_len) is {self.max_model_len}; "
-                "at least one token must be left to generate", "prompt")
-        total = min(len(ids) + params.max_tokens, self.max_model_len)
+                "at least one token must be left to generate", "prompt", code="context_length_exceeded")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's context (max_model_len) is {self.max_model_len} tokens, but {len(ids)} prompt tokens "
+                f"+ max_tokens {params.max_tokens} = {len(ids) + params.max_tokens}; lower max_tokens to at most "
+                f"{self.max_model_len - len(ids)}", "max_tokens", code="context_length_exceeded")
+        total = len(ids) + params.max_tokens
         need_blocks = -(-total // self.block_size)
         if need_blocks > self.num_blocks:
             raise InvalidRequestError(

@@ -33,7 +33,6 @@ class Request:
     params: SamplingParams
     eos_token_ids: frozenset[int]
     max_model_len: int
-    arrival_index: int = 0
     all_token_ids: list[int] = field(init=False)
     status: RequestStatus = RequestStatus.WAITING
     block_ids: list[int] = field(default_factory=list)

@@ -82,9 +82,6 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
-    def usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks
-
     # -- allocation ----------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
         """Take n free blocks (ref count 1). Raises if fewer are free: callers check first."""
@@ -182,11 +179,6 @@ class BlockPool:
         while n < len(block_ids) and self.blocks[block_ids[n]].draft_filled:
             n += 1
         return n
-
-    def reset_prefix_cache(self) -> None:
-        for block in self.blocks:
-            if block.block_hash is not None and block.ref_count == 0:
-                self._evict(block)
 
     def check_consistency(self) -> None:
         """Raise if the pool's invariants do not hold (used by tests and debug checks)."""

@@ -121,14 +121,8 @@ class Server:
     def _submit(self, rid: str, prompts: list, greq: GenerationRequest, arrival_ns: int):
         try:
             prepared = [self.engine.prepare_request(p, greq.params) for p in prompts]
-        except InvalidRequestError as e:
-            raise APIError(400, str(e), e.param) from None
-        limit = self.engine.max_model_len
-        for prep in prepared:
-            if len(prep.prompt_token_ids) + greq.params.max_tokens > limit:
-                raise APIError(400, f"prompt ({len(prep.prompt_token_ids)} tokens) + max_tokens "
-                                    f"({greq.params.max_tokens}) exceeds the model's context of {limit} tokens",
-                               "max_tokens", code="context_length_exceeded")
+        except InvalidRequestError as e:  # the context limit included: the Processor's one rule
+            raise APIError(400, str(e), e.param, code=e.code) from None
         subs = []
         try:
             for i, prep in enumerate(prepared):
