@@ -164,3 +164,18 @@ def test_summary_and_table(preempting_run):
     assert s["itl_s"]["p99_9"] == np.percentile([g for m in ms for g in m.itl_s], 99.9)
     table = render_table(s)
     assert "TTFT" in table and "p99 (ms)" in table
+
+
+def test_the_timing_wire_format_round_trips_in_both_forms():
+    """What the server writes (metrics/wire.py) is what the bench reads, body and header."""
+    from tailserve.metrics.wire import WireTiming
+
+    w = WireTiming(0.0012, 0.0345, 0.0357, 0.5, 0.5357, 0.004, 100, 64, 120, 1,
+                   {"draft_tokens": 30, "accepted_tokens": 21, "acceptance_rate": 0.7, "mean_acceptance_length": 2.1})
+    assert WireTiming.from_wire(w.to_wire()) == w
+    h = WireTiming.from_header(w.to_header())
+    assert h is not None and abs(h.prefill_s - w.prefill_s) < 1e-6 and abs(h.e2e_s - w.e2e_s) < 1e-6
+    assert WireTiming.from_wire({"queue_ms": 1, "prefill_ms": "x", "decode_ms": 1, "e2e_ms": 1}) is None
+    assert WireTiming.from_header("queue;dur=1, prefill;dur=bad, decode;dur=2") is None  # no usable prefill
+    only = WireTiming.from_header("queue;dur=1, prefill;dur=2, decode;dur=3")
+    assert only is not None and abs(only.e2e_s - 0.006) < 1e-12 and abs(only.ttft_s - 0.003) < 1e-12

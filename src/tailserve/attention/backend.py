@@ -80,6 +80,17 @@ class RopeOutsideKernel:
         return None
 
 
+def slot_of(block_table: list[int], position: int, block_size: int) -> int:
+    """The KV-cache slot of one position of a sequence: its block's id times the block size,
+    plus the offset inside the block (every builder's one formula; ``slots_of`` for arrays)."""
+    return block_table[position // block_size] * block_size + position % block_size
+
+
+def slots_of(blocks: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """``slot_of`` for an array of positions of one sequence (``blocks``: its block ids, int64)."""
+    return blocks[positions // block_size] * block_size + positions % block_size
+
+
 def upcasts_attention(device: torch.device) -> bool:
     """Whether the reference kernels attend in float32 for a bf16/fp16 model: on the CPU,
     PyTorch's attention kernels are several times slower in bf16/fp16 than in fp32 at these
@@ -145,7 +156,7 @@ class PersistentBuffers:
             bt[i, nb : max(max_blocks, nb)] = 0
             max_blocks = max(max_blocks, nb)
             p = np.arange(c - q, c)
-            slots[pos : pos + q] = np.asarray(table[:nb], dtype=np.int64)[p // block_size] * block_size + p % block_size
+            slots[pos : pos + q] = slots_of(np.asarray(table[:nb], dtype=np.int64), p, block_size)
             pos += q
         h["seq_lens"][:b] = context_lens
         np.cumsum([0, *query_lens], out=h["query_start_loc"][: b + 1])
@@ -222,7 +233,7 @@ class StaticDecodeBuffers:
             nb = -(-c // bs)
             tables[i, :nb] = table[:nb]
             ids[i], pos[i], lens[i] = tok, c - 1, c
-            slots[i] = table[(c - 1) // bs] * bs + (c - 1) % bs
+            slots[i] = slot_of(table, c - 1, bs)
         if n < self.batch_size:
             pos[n:] = self.scratch_slot % bs
             lens[n:] = self.scratch_slot % bs + 1

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tailserve.attention.backend import slots_of
 from tailserve.attention.reference import AttentionMetadata, TorchReferenceBackend
 from tailserve.kernels.cpu import CpuKernels, StepStruct
 
@@ -91,7 +92,7 @@ class CpuDecodeBackend(TorchReferenceBackend):
             blocks = np.asarray(table[:nb], dtype=np.int64)
             pos = np.arange(c - q, c)
             tables[row : row + q, :nb] = blocks
-            slots[row : row + q] = blocks[pos // bs] * bs + pos % bs
+            slots[row : row + q] = slots_of(blocks, pos, bs)
             lens[row : row + q] = pos + 1
             row += q
         return CpuDecodeMetadata(torch.from_numpy(slots), torch.from_numpy(tables), torch.from_numpy(lens),

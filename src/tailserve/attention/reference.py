@@ -22,6 +22,7 @@ from tailserve.attention.backend import (
     RopeOutsideKernel,
     StaticDecodeBuffers,
     StaticPagedDecodeMetadata,
+    slot_of,
     upcasts_attention,
 )
 
@@ -87,7 +88,7 @@ def build_attention_metadata(
     slots: list[int] = []
     for qlen, ctx, table in zip(query_lens, context_lens, block_tables):
         for pos in range(ctx - qlen, ctx):
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
+            slots.append(slot_of(table, pos, block_size))
     num_tokens = len(slots)
 
     starts = []

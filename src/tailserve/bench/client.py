@@ -21,7 +21,6 @@ predicted milliseconds). Servers that send neither leave the request unattributa
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 import uuid
@@ -30,6 +29,7 @@ from typing import Any
 
 import httpx
 
+from tailserve.metrics.wire import WireTiming
 from tailserve.model.tokenizer import Tokenizer
 
 ERROR_KINDS = ("http_4xx", "http_5xx", "timeout", "connect", "disconnect", "malformed_stream", "server_error")
@@ -50,12 +50,10 @@ class ServerTiming:
 
     @classmethod
     def from_body(cls, obj: dict[str, Any]) -> ServerTiming | None:
-        t = obj.get("timing")
-        if isinstance(t, dict) and all(isinstance(t.get(k), (int, float)) for k in ("queue_ms", "prefill_ms",
-                                                                                    "decode_ms", "e2e_ms")):
-            return cls(t["queue_ms"] / 1e3, t["prefill_ms"] / 1e3, t["decode_ms"] / 1e3, t["e2e_ms"] / 1e3,
-                       t.get("ttft_ms", t["queue_ms"] + t["prefill_ms"]) / 1e3, "tailserve",
-                       int(t.get("preemptions") or 0), t.get("cached_tokens"))
+        w = WireTiming.from_wire(obj.get("timing"))  # tailserve's (metrics/wire.py)
+        if w is not None:
+            return cls(w.queue_s, w.prefill_s, w.decode_s, w.e2e_s, w.ttft_s, "tailserve", w.preemptions,
+                       w.cached_tokens)
         t = obj.get("timings")  # llama.cpp's server
         if isinstance(t, dict) and isinstance(t.get("prompt_ms"), (int, float)) and isinstance(
                 t.get("predicted_ms"), (int, float)):
@@ -66,20 +64,8 @@ class ServerTiming:
     @classmethod
     def from_header(cls, value: str | None) -> ServerTiming | None:
         """``Server-Timing: queue;dur=1.2, prefill;dur=3.4, ...`` (milliseconds, W3C format)."""
-        if not value:
-            return None
-        durs: dict[str, float] = {}
-        for part in value.split(","):
-            name, _, rest = part.strip().partition(";")
-            for attr in rest.split(";"):
-                k, _, v = attr.strip().partition("=")
-                if k == "dur":
-                    with contextlib.suppress(ValueError):  # a malformed entry is skipped, as browsers do
-                        durs[name.strip()] = float(v) / 1e3
-        if not {"queue", "prefill", "decode"} <= durs.keys():
-            return None
-        q, p, d = durs["queue"], durs["prefill"], durs["decode"]
-        return cls(q, p, d, durs.get("e2e", q + p + d), durs.get("ttft", q + p), "server-timing")
+        w = WireTiming.from_header(value)
+        return None if w is None else cls(w.queue_s, w.prefill_s, w.decode_s, w.e2e_s, w.ttft_s, "server-timing")
 
     def as_dict(self) -> dict[str, Any]:
         return {"queue_ms": self.queue_s * 1e3, "prefill_ms": self.prefill_s * 1e3, "decode_ms": self.decode_s * 1e3,

@@ -22,7 +22,14 @@ import torch
 
 from tailserve.attention.backend import AttentionBackend, DecodeGraph
 from tailserve.attention.reference import TorchReferenceBackend
-from tailserve.engine.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput, StepAppliedError
+from tailserve.engine.scheduler_output import (
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    StepAppliedError,
+    draft_room,
+    verified,
+)
 from tailserve.model.config import ModelArchConfig
 from tailserve.model.llama import LlamaFamilyModel
 from tailserve.sample.logits_processors import apply_logits_processors
@@ -327,8 +334,8 @@ class ModelRunner:
                 continue
             toks = out.sampled_token_ids[s.request_id]
             k = len(s.draft_token_ids)
-            m = len(toks) - 1 if k else 0
-            st.num_computed_tokens += s.num_tokens - (k - m)
+            computed, m = verified(s.num_tokens, k, len(toks))
+            st.num_computed_tokens += computed
             st.token_ids.extend(toks)
             st.num_computed_tokens = min(st.num_computed_tokens, len(st.token_ids))
             if k and uses_draft_kv:
@@ -348,8 +355,7 @@ class ModelRunner:
             in_decode = st.num_computed_tokens >= st.num_prompt_tokens
             kk = 0
             if s.sample and s.num_lookahead_tokens:
-                room = min(st.params.max_tokens - st.num_output_tokens - 1,
-                           self.max_model_len - len(st.token_ids) - 1)
+                room = draft_room(st.params.max_tokens, st.num_output_tokens, self.max_model_len, len(st.token_ids))
                 kk = max(min(s.num_lookahead_tokens, room), 0)
             if not uses_draft_model and kk <= 0:
                 continue  # n-gram lookup has nothing to catch up on

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from tailserve.engine.scheduler_output import draft_room
 from tailserve.sampling_params import SamplingParams
 
 
@@ -90,7 +91,7 @@ class Request:
     def room_for_drafts(self) -> int:
         """Draft tokens a round may still propose: leave room for the bonus token within
         max_tokens and the context."""
-        return min(self.params.max_tokens - self.num_output_tokens - 1, self.max_model_len - self.num_tokens - 1)
+        return draft_room(self.params.max_tokens, self.num_output_tokens, self.max_model_len, self.num_tokens)
 
     def append_output(self, token_id: int) -> bool:
         """Append a sampled token; return True if it ends the request (status set)."""

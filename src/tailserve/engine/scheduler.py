@@ -47,6 +47,7 @@ from tailserve.engine.scheduler_output import (
     ScheduledRequest,
     SchedulerOutput,
     StepCost,
+    verified,
 )
 from tailserve.memory.block_pool import BlockPool
 from tailserve.memory.kv_figures import KVCacheFigures
@@ -373,10 +374,10 @@ class Scheduler:
                 continue
             new_ids = result.sampled_token_ids.get(req.request_id, [])
             k = len(seq.draft_token_ids)
-            num_acc = max(len(new_ids) - 1, 0) if k else 0
+            computed, num_acc = verified(seq.num_tokens, k, len(new_ids))
             # Roll back the rejected drafts: their K/V slots hold garbage and are simply
             # overwritten later; only accepted tokens count as computed (and get cached).
-            req.num_computed_tokens += seq.num_tokens - (k - num_acc)
+            req.num_computed_tokens += computed
             if k:
                 self.spec_stats.observe(k, num_acc)
                 if spec is not None:

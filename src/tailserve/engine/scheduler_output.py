@@ -131,6 +131,21 @@ class EngineCoreOutput:
     events: list[tuple[str, int]] = field(default_factory=list)  # ("scheduled" | "preempted", ns)
 
 
+# -- the arithmetic both sides of the seam must agree on ------------------------------------------
+def draft_room(max_tokens: int, num_output_tokens: int, max_model_len: int, num_tokens: int) -> int:
+    """Draft tokens a round may still propose for a request: room for the bonus token left
+    within max_tokens and within the context."""
+    return min(max_tokens - num_output_tokens - 1, max_model_len - num_tokens - 1)
+
+
+def verified(num_scheduled_tokens: int, num_drafts: int, num_emitted: int) -> tuple[int, int]:
+    """A sampled step's outcome: (tokens newly computed, drafts accepted). A step that verified
+    ``num_drafts`` drafts and emitted ``num_emitted`` tokens accepted ``num_emitted - 1`` of
+    them (the last is the correction or the bonus); the rejected drafts' K/V slots are rolled
+    back, so only the accepted tokens count as computed."""
+    accepted = max(num_emitted - 1, 0) if num_drafts else 0
+    return num_scheduled_tokens - (num_drafts - accepted), accepted
+
 @dataclass(frozen=True)
 class StepCost:
     """A finished decode/verify step's measured cost (the engine core's clock: from

@@ -42,14 +42,7 @@ class PrefixCacheStats:
 
     queries_requests: int = 0  # admissions that looked up the prefix cache
     hits_requests: int = 0  # of those, admissions that found at least one cached block
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits_tokens / self.queries_tokens if self.queries_tokens else 0.0
-
-    @property
-    def request_hit_rate(self) -> float:
-        return self.hits_requests / self.queries_requests if self.queries_requests else 0.0
+    # The rates derived from these counts are KVCacheFigures' (memory/kv_figures.py), once.
 
 
 @dataclass

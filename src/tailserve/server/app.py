@@ -35,6 +35,7 @@ from tailserve.engine.llm_engine import LLMEngine
 from tailserve.errors import ConfigError, InvalidRequestError
 from tailserve.memory.allocator.snapshot import snapshot_bytes
 from tailserve.metrics.timeline import RequestMetrics
+from tailserve.metrics.wire import WireTiming
 from tailserve.outputs import CompletionOutput, RequestOutput
 from tailserve.server.chat import ChatTemplate
 from tailserve.server.protocol import (
@@ -52,28 +53,12 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 
 def timing_dict(m: RequestMetrics | None) -> dict[str, Any] | None:
-    if m is None:
-        return None
-    d: dict[str, Any] = {
-        "queue_ms": m.queue_s * 1e3, "prefill_ms": m.prefill_s * 1e3, "ttft_ms": m.ttft_s * 1e3,
-        "decode_ms": m.decode_s * 1e3, "e2e_ms": m.e2el_s * 1e3,
-        "tpot_ms": m.tpot_s * 1e3 if m.tpot_s is not None else None,
-        "prompt_tokens": m.num_prompt_tokens, "cached_tokens": m.num_cached_tokens,
-        "output_tokens": m.num_output_tokens, "preemptions": m.num_preemptions,
-    }
-    if m.spec_num_drafts:
-        d["spec"] = {"draft_tokens": m.spec_num_draft_tokens, "accepted_tokens": m.spec_num_accepted_tokens,
-                     "acceptance_rate": m.spec_acceptance_rate,
-                     "mean_acceptance_length": m.spec_mean_acceptance_length}
-    return d
+    """The body's ``timing`` object (metrics/wire.py)."""
+    return None if m is None else WireTiming.from_metrics(m).to_wire()
 
 
 def server_timing_header(m: RequestMetrics | None) -> str:
-    if m is None:
-        return ""
-    parts = [("queue", m.queue_s), ("prefill", m.prefill_s), ("ttft", m.ttft_s), ("decode", m.decode_s),
-             ("e2e", m.e2el_s)]
-    return ", ".join(f"{name};dur={sec * 1e3:.3f}" for name, sec in parts)
+    return "" if m is None else WireTiming.from_metrics(m).to_header()
 
 
 class Server:

@@ -25,6 +25,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from tailserve.memory.allocator.ratios import peak_waste_ratio, stranded_ratio, unallocated_ratio
+
 _ACTIVE = ("active_allocated", "active_pending_free", "active_awaiting_free")
 
 
@@ -53,17 +55,16 @@ class SnapshotAnalysis:
 
     @property
     def inactive_split_over_reserved(self) -> float:
-        return self.stranded_bytes / self.reserved_bytes if self.reserved_bytes else 0.0
+        return stranded_ratio(self.stranded_bytes, self.reserved_bytes)
 
     @property
     def unallocated_over_reserved(self) -> float:
-        return (self.reserved_bytes - self.allocated_bytes) / self.reserved_bytes if self.reserved_bytes else 0.0
+        return unallocated_ratio(self.reserved_bytes, self.allocated_bytes)
 
     @property
     def one_minus_peak_ratio(self) -> float | None:
-        if not self.peak_reserved_bytes or self.peak_active_bytes is None:
-            return None
-        return 1.0 - self.peak_active_bytes / self.peak_reserved_bytes
+        """None without device traces (the peaks are unknown)."""
+        return peak_waste_ratio(self.peak_active_bytes, self.peak_reserved_bytes)
 
     def as_dict(self) -> dict[str, Any]:
         return {

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tailserve.memory.allocator.ratios import peak_waste_ratio, stranded_ratio, unallocated_ratio
+
 log = logging.getLogger("tailserve.memory")
 
 StatsSource = Callable[[], dict[str, Any]]
@@ -52,15 +54,16 @@ class AllocatorSample:
 
     @property
     def inactive_split_over_reserved(self) -> float:
-        return self.inactive_split_bytes / self.reserved_bytes if self.reserved_bytes else 0.0
+        return stranded_ratio(self.inactive_split_bytes, self.reserved_bytes)
 
     @property
     def unallocated_over_reserved(self) -> float:
-        return (self.reserved_bytes - self.allocated_bytes) / self.reserved_bytes if self.reserved_bytes else 0.0
+        return unallocated_ratio(self.reserved_bytes, self.allocated_bytes)
 
     @property
     def one_minus_peak_ratio(self) -> float:
-        return 1.0 - self.peak_active_bytes / self.peak_reserved_bytes if self.peak_reserved_bytes else 0.0
+        # memory_stats always reports the peaks, so this is a number.
+        return peak_waste_ratio(self.peak_active_bytes, self.peak_reserved_bytes) or 0.0
 
 
 class AllocatorMonitor:

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 
 from tailserve.errors import ConfigError
 from tailserve.memory.allocator.conf import AllocatorConf, parse_alloc_conf
+from tailserve.memory.allocator.ratios import peak_waste_ratio, stranded_ratio, unallocated_ratio
 
 K_MIN_BLOCK = 512
 K_SMALL_SIZE = 1 << 20
@@ -484,12 +485,10 @@ class CachingAllocatorSimulator:
         """The three measures: inactive split / reserved (the one alerted on), (reserved -
         allocated) / reserved (includes releasable cache), 1 - peak allocated / peak reserved."""
         st = self.stats
-        r = st.reserved_bytes
         return {
-            "inactive_split_over_reserved": self.inactive_split_bytes / r if r else 0.0,
-            "unallocated_over_reserved": (r - st.allocated_bytes) / r if r else 0.0,
-            "one_minus_peak_ratio": 1 - st.peak_allocated_bytes / st.peak_reserved_bytes
-            if st.peak_reserved_bytes else 0.0,
+            "inactive_split_over_reserved": stranded_ratio(self.inactive_split_bytes, st.reserved_bytes),
+            "unallocated_over_reserved": unallocated_ratio(st.reserved_bytes, st.allocated_bytes),
+            "one_minus_peak_ratio": peak_waste_ratio(st.peak_allocated_bytes, st.peak_reserved_bytes) or 0.0,
         }
 
 
