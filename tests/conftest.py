@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random-initialised Hugging Face checkpoints made on the fly.
+"""Shared fixtures: tiny random-initialised Hugging Face checkpoints made on the fly, one
+``tailserve serve`` and an engine cache for the session (per xdist worker).
 
 Each checkpoint is created with transformers (a test-only dependency) and saved with
 ``save_pretrained``, so the loader is tested on exactly what users' checkpoints look like.
@@ -7,13 +8,23 @@ Each checkpoint is created with transformers (a test-only dependency) and saved 
 from __future__ import annotations
 
 import contextlib
+import os
 import pathlib
 import threading
 import time
 from collections.abc import Iterator
 
-import pytest
-import torch
+# Under pytest-xdist the workers share the cores: each gets its share of intra-op threads
+# (set before torch is imported, and inherited by the servers and ranks a test starts). Two
+# workers running two OpenMP threads each on two cores spin against each other: the suite's
+# CPU time rose by two thirds, its wall time by a fifth. Tests of multi-threaded kernels set
+# their thread counts themselves.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 TINY_VOCAB = 384
 _CORPUS = [

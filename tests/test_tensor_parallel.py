@@ -7,17 +7,14 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
-import subprocess
-import sys
 import threading
 import time
 
-import httpx
 import pytest
 
 from conftest import build_hf_model, save_checkpoint
 from tailserve import LLM, SamplingParams
-from tailserve.bench.local_server import free_port
+from tailserve.bench.local_server import LocalServer
 from tailserve.errors import ConfigError, EngineDeadError
 
 PROMPTS = [[5, 17, 33, 2, 90, 41], [7, 7, 8, 100, 3], list(range(20, 60))]
@@ -124,34 +121,33 @@ def test_ranks_that_cannot_split_the_heads_are_a_config_error(llama_checkpoint):
 
 
 def _children(pid: int) -> list[int]:
-    """Worker processes of ``pid`` (multiprocessing's resource tracker left out)."""
-    out = []
+    """Worker processes of ``pid``: its descendants, less multiprocessing's helpers (the
+    resource tracker, and the fork server the ranks are forked from)."""
+    kids: dict[int, list[tuple[int, bytes]]] = {}
     for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
         except OSError:
             continue
-        cmdline = (stat.parent / "cmdline").read_bytes()
-        if int(fields[1]) == pid and b"resource_tracker" not in cmdline:
-            out.append(int(stat.parent.name))
+        kids.setdefault(int(fields[1]), []).append((int(stat.parent.name), cmdline))
+    out, todo = [], [(pid, False)]
+    while todo:
+        parent, under_fork_server = todo.pop()
+        for child, cmdline in kids.get(parent, []):
+            # A rank forked by the fork server carries its command line: only the server's
+            # own (a child of the engine's process) is the helper.
+            fork_server = b"forkserver" in cmdline and not under_fork_server
+            todo.append((child, fork_server))
+            if b"resource_tracker" not in cmdline and not fork_server:
+                out.append(child)
     return out
 
 
-def _serve_two_ranks(path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tailserve", "serve", "--no-warmup", "--model", str(path),
-                             "--dtype", "float32", "--port", str(port), "--http2-port", "0",
-                             "--tensor-parallel-size", "2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(proc.stdout.read().decode())
+def _serve_two_ranks(path) -> LocalServer:
+    """A started ``tailserve serve`` on two ranks (log to a file; new ports if one was taken)."""
+    return LocalServer(["--no-warmup", "--model", str(path), "--dtype", "float32", "--http2-port", "0",
+                        "--tensor-parallel-size", "2"]).__enter__()
 
 
 def _alive(pid: int) -> bool:
@@ -167,31 +163,31 @@ def test_server_on_two_ranks_serves_and_exits_when_a_worker_dies(llama_checkpoin
     from openai import OpenAI
 
     path, _ = llama_checkpoint
-    proc, url = _serve_two_ranks(path)
+    srv = _serve_two_ranks(path)
     try:
-        client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        client = OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
         out = client.completions.create(model=str(path), prompt=PROMPTS[2], max_tokens=16, temperature=0,
                                         extra_body={"ignore_eos": True})
         assert out.choices[0].text == LLM(str(path), dtype="float32").generate(PROMPTS[2], GREEDY)[0].text
-        workers = _children(proc.pid)
+        workers = _children(srv.proc.pid)
         assert len(workers) == 1
         os.kill(workers[0], signal.SIGKILL)
-        code = proc.wait(timeout=60)
-        log = proc.stdout.read().decode()
+        code = srv.proc.wait(timeout=60)
+        log = srv.output()
         assert code == 1 and "engine down: tensor-parallel rank 1 died" in log, log[-2000:]
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        srv.__exit__(None, None, None)
 
 
 @pytest.mark.slow
 def test_workers_exit_when_the_server_is_killed(llama_checkpoint):
     path, _ = llama_checkpoint
-    proc, _ = _serve_two_ranks(path)
-    workers = _children(proc.pid)
+    srv = _serve_two_ranks(path)
+    workers = _children(srv.proc.pid)
     assert len(workers) == 1 and _alive(workers[0])
-    proc.kill()  # SIGKILL: no clean-up runs; the worker sees its pipe close
-    proc.wait(timeout=10)
+    srv.proc.kill()  # SIGKILL: no clean-up runs; the worker sees its pipe close
+    srv.proc.wait(timeout=10)
+    srv.__exit__(None, None, None)
     deadline = time.monotonic() + 20
     while _alive(workers[0]) and time.monotonic() < deadline:
         time.sleep(0.2)

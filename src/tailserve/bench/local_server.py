@@ -38,7 +38,25 @@ class LocalServer:
     def from_string(cls, args: str) -> LocalServer:
         return cls(shlex.split(args))
 
+    # A free port can be taken by another process between free_port() and the server's bind
+    # (seen with tests in parallel): a start that fails on that alone is tried on new ports.
+    PORT_TRIES = 3
+
     def __enter__(self) -> LocalServer:
+        for attempt in range(self.PORT_TRIES):
+            if attempt:
+                self.port, self.h2_port = free_port(), free_port()
+                self.url = f"http://127.0.0.1:{self.port}"
+                self.url_h2 = f"http://127.0.0.1:{self.h2_port}"
+                self._log.seek(0)
+                self._log.truncate()
+            if self._start():
+                return self
+        raise ConfigError(f"tailserve serve {' '.join(self.args)} found no free port in {self.PORT_TRIES} tries: "
+                          f"{self._tail()}")
+
+    def _start(self) -> bool:
+        """Start and wait for /health: True once it answers, False when the port was taken."""
         cmd = [sys.executable, "-m", "tailserve", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                "--http2-port", str(self.h2_port), *self.args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
@@ -46,11 +64,13 @@ class LocalServer:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if "Address already in use" in self._tail():
+                    return False
                 raise ConfigError(f"tailserve serve {' '.join(self.args)} exited during start-up: "
                                   f"{self._tail()}")
             try:
                 if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return self
+                    return True
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)

@@ -117,7 +117,9 @@ def _mp_context() -> mp.context.BaseContext:
     included) once, where the platform has one: a rank then starts in about 2 s instead of
     the 5 s of a fresh interpreter (``spawn``, the fallback). The fork server never touches
     CUDA, so its children initialise CUDA themselves, as spawned ones do. It is started with
-    the first tensor-parallel engine of a process and keeps that moment's environment."""
+    the first tensor-parallel engine of a process and keeps that moment's environment. The
+    ranks' exit is watched through it: should the fork server itself be killed, the engine
+    reports the ranks dead (exit code 255) and goes down, as it does for a dead rank."""
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["tailserve.engine.worker"])
