@@ -103,9 +103,9 @@ def measure(model_dir: str, device: str, backend: str, eager: bool, batch_sizes:
               attention_backend=backend, enforce_eager=eager, kv_cache_memory_bytes=kv_bytes,
               max_num_seqs=max(batch_sizes), max_model_len=1024, max_num_batched_tokens=8192)
     start_s = time.perf_counter() - t0
-    worker = llm.engine.core.worker
+    info = llm.engine.info
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(10, worker.arch.vocab_size, (128,), generator=g).tolist()
+    prompt = torch.randint(10, info.arch.vocab_size, (128,), generator=g).tolist()
 
     def timed(batch: int, n: int) -> float:
         sync(device)
@@ -122,9 +122,9 @@ def measure(model_dir: str, device: str, backend: str, eager: bool, batch_sizes:
             t1, tn = timed(b, 1), timed(b, new)
             samples.append(b * (new - 1) / (tn - t1))
         rates[str(b)] = statistics.median(samples)
-    res = {"backend": worker.attn_backend.name, "graphs": bool(worker.runner.decode_graphs),
-           "graph_capture_s": worker.graph_capture_s, "start_s": start_s, "decode_tok_s": rates,
-           "graph_replays": worker.runner.graph_replays}
+    res = {"backend": info.plan.model.attention_backend, "graphs": bool(info.decode_graph_sizes),
+           "graph_capture_s": info.graph_capture_s, "start_s": start_s, "decode_tok_s": rates,
+           "graph_replays": llm.engine.runner.graph_replays, "plan": info.plan.describe()}
     llm.shutdown()
     return res
 

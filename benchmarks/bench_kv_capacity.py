@@ -49,7 +49,7 @@ def run(kind: str, requests, kv_bytes: int, max_len: int, dtype: str = "bfloat16
         old = eng.core.scheduler
         eng.core.scheduler = ContiguousReservationScheduler(old.config, old.pool, max_model_len=max_len)
     bs = eng.config.block_size
-    bytes_per_token = kv_bytes_per_block(eng.arch, bs, eng.core.worker.dtype) // bs
+    bytes_per_token = kv_bytes_per_block(eng.arch, bs, eng.info.dtype) // bs
     for prompt, n in requests:
         eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     running, wasted = [], []

@@ -79,8 +79,8 @@ def worker_tailserve(model: str, variant: str, runs: int) -> dict[str, float]:
         return time.perf_counter() - t
 
     res = decode_rates(timed, runs)
-    w = llm.engine.core.worker
-    res["setup"] = f"{str(w.dtype).removeprefix('torch.')}, {w.linear_method.name}"
+    info = llm.engine.info
+    res["setup"] = f"{str(info.dtype).removeprefix('torch.')}, {info.plan.model.linear.method}"
     return res
 
 

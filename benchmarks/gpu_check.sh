@@ -14,13 +14,14 @@ timeout 300 python -m pytest -q -m gpu tests/test_gpu.py tests/test_attention_ba
 pip install -q triton 2>/dev/null || true
 timeout 200 python -m pytest -q tests/test_triton_attention.py 2>&1 | tail -8 | tee "$OUT/triton_tests.txt"
 # The KV cache sized from --gpu-memory-utilization after the profiling pass, and CUDA graphs in the engine.
-timeout 120 python - <<'PY' 2>&1 | tail -6 | tee "$OUT/kv_sizing.txt"
+timeout 120 python - <<'PY' 2>&1 | tail -7 | tee "$OUT/kv_sizing.txt"
 from tailserve import LLM, SamplingParams
 llm = LLM(device="cuda", dtype="bfloat16", gpu_memory_utilization=0.5)
-w = llm.engine.core.worker
-print(w.memory_profile.describe(w.num_blocks, llm.engine.config.block_size))
+i = llm.engine.info
+print("plan:", i.plan.describe())
+print(i.memory_profile.describe(i.num_blocks, llm.engine.config.block_size))
 out = llm.generate(["def add(a, b):"] * 3, SamplingParams(temperature=0, max_tokens=16))
-print("graphs:", sorted(w.runner.decode_graphs)[:6], "... replays", w.runner.graph_replays, repr(out[0].text))
+print("graphs:", list(i.decode_graph_sizes)[:6], "... replays", llm.engine.runner.graph_replays, repr(out[0].text))
 PY
 # Decode tok/s at batch 1/16/64 for the 0.5B shape in bf16, graphs on and off, both attention backends,
 # and batch 1 against the bandwidth roofline.

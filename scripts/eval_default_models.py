@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from tailserve import LLM, SamplingParams
 from tailserve.assets import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR
 from tailserve.attention.reference import build_attention_metadata
-from tailserve.model.linear import select_linear_method
+from tailserve.model.linear import build_linear_method, onednn_available
 from tailserve.model.loader import load_model
 from tailserve.model.tokenizer import Tokenizer
 
@@ -61,7 +61,7 @@ def main() -> None:
     args = ap.parse_args()
 
     tok = Tokenizer(DEFAULT_TARGET_DIR)
-    method = select_linear_method(torch.device("cpu"), True)
+    method = build_linear_method("onednn-packed" if onednn_available() else "plain")
     target, tcfg = load_model(DEFAULT_TARGET_DIR, torch.float32, linear_method=method)
     draft, dcfg = load_model(pathlib.Path(args.draft), torch.float32, linear_method=method)
     texts = held_out_texts()

@@ -35,9 +35,11 @@ def test_bad_arguments_exit_with_a_message(capsys):
 
 
 def test_a_smoke_run_on_the_cpu_writes_every_figure(tmp_path):
+    # 32 new tokens: t(N) - t(1) must stay positive beside another test worker (with 4 it
+    # came out negative once under pytest-xdist).
     out = tmp_path / "gpu_decode.json"
     res = bench.main(["--device", "cpu", "--layers", "1", "--vocab", "512", "--batch-sizes", "1", "3",
-                      "--new-tokens", "4", "--runs", "1", "--backends", "torch", "--graphs", "on", "off",
+                      "--new-tokens", "32", "--runs", "1", "--backends", "torch", "--graphs", "on", "off",
                       "--kv-cache-memory", str(64 << 20), "--json", str(out)])
     saved = json.loads(out.read_text())
     assert saved["parameters"] == res["parameters"] == bench.num_parameters(saved["config"])
