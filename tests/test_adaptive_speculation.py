@@ -95,7 +95,7 @@ def _steady(ctl, b, k, tokens, seconds, steps=4):
     """Feed ``steps`` steady steps at batch b with k (forcing the choice) and their throughput."""
     for _ in range(steps):
         ctl._set(k, b)
-        ctl.observe_throughput(tokens, seconds)
+        ctl.observe_throughput(tokens, seconds, *ctl.last_round)
 
 
 def test_measured_throughput_overrides_the_cost_model():
@@ -117,7 +117,7 @@ def test_measured_throughput_overrides_the_cost_model():
     ctl._set(2, 16)
     ctl._set(0, 16)
     before = ctl.rates[(ctl.bucket(16), 0)]
-    ctl.observe_throughput(1, 1.0)
+    ctl.observe_throughput(1, 1.0, *ctl.last_round)
     assert ctl.rates[(ctl.bucket(16), 0)] == before
 
     ctl2 = AdaptiveSpeculation(k_max=6, explore_every=10**9)
@@ -157,3 +157,15 @@ def test_explorations_back_off_where_they_keep_confirming_off():
     assert ctl._backoff[ctl.bucket(16)] == 4  # explorations now come 4x less often in this bucket
     explored = sum(1 for a, b in itertools.pairwise(ks) if a == 0 and b != 0)
     assert explored <= 200 // (6 * 2) + 2
+
+
+def test_a_steps_throughput_counts_for_the_k_it_ran_with():
+    """The engine learns a step's whole cost after the next step's k is chosen (it is handed
+    over with the next update): the sample must count for the k the step ran with."""
+    ctl = AdaptiveSpeculation(k_max=6, explore_every=10**9)
+    ctl._set(3, 4)
+    ctl._set(3, 4)
+    measured = ctl.last_round  # step N: 4 decoding, k 3, steady
+    ctl._set(0, 4)  # step N + 1, chosen before step N's cost is known
+    ctl.observe_throughput(12, 0.01, *measured)
+    assert ctl.rates[(ctl.bucket(4), 3)][0] == pytest.approx(1200) and (ctl.bucket(4), 0) not in ctl.rates

@@ -45,6 +45,7 @@ class _StepTiming:
     propose_s: float
     decode_only: bool
     num_emitted: int = 0
+    spec_round: tuple[int, int, bool] | None = None
 
 
 class EngineCore:
@@ -137,7 +138,7 @@ class EngineCore:
         self.num_steps += 1
         self._pending_timing = _StepTiming(t0, sched.num_scheduled_tokens, result.target_forward_s,
                                            result.propose_s, not any(s.is_prefill for s in sched.scheduled),
-                                           sum(len(o.new_token_ids) for o in outputs))
+                                           sum(len(o.new_token_ids) for o in outputs), sched.spec_round)
         self._record_step(sched, time.perf_counter_ns() - t0, self.scheduler.num_preemptions - preempted_before)
         return outputs
 
@@ -154,7 +155,7 @@ class EngineCore:
             return
         end_ns = time.perf_counter_ns() if end_ns is None else end_ns
         self._last_cost = StepCost(timing.num_tokens, timing.num_emitted, (end_ns - timing.started_ns) * 1e-9,
-                                   timing.target_forward_s, timing.propose_s)
+                                   timing.target_forward_s, timing.propose_s, timing.spec_round)
 
     def _record_step(self, sched, duration_ns: int, preemptions: int) -> None:
         running = self.scheduler.running

@@ -296,6 +296,8 @@ class Scheduler:
         assert spec is not None
         num_decoding = sum(1 for s in out.scheduled if s.sample)
         k = spec.choose_k(num_decoding) if num_decoding else 0
+        if num_decoding:
+            out.spec_round = spec.last_round
         adaptive = spec.fixed_k is None
         for idx, (s, req) in enumerate(zip(out.scheduled, chosen)):
             if not s.sample:
@@ -362,7 +364,8 @@ class Scheduler:
         if spec is not None and last_step is not None:
             fwd = last_step.target_forward_s
             spec.observe_step(last_step.num_tokens, fwd, max(last_step.total_s - fwd - last_step.propose_s, 0.0))
-            spec.observe_throughput(last_step.num_emitted, last_step.total_s)
+            if last_step.spec_round is not None:
+                spec.observe_throughput(last_step.num_emitted, last_step.total_s, *last_step.spec_round)
         for seq in sched.scheduled:
             req = self.requests.get(seq.request_id)
             if req is None or req.status != RequestStatus.RUNNING:

@@ -225,12 +225,20 @@ class AdaptiveSpeculation:
         """Batch-size bucket: 1, 2, 3-4, 5-8, 9-16, ... -> 0, 1, 2, 3, 4, ..."""
         return max(num_decoding - 1, 0).bit_length()
 
-    def observe_throughput(self, num_tokens: int, seconds: float) -> None:
-        """A decode/verify step emitted ``num_tokens`` tokens in ``seconds`` of whole step.
-        Counted for its k only when the previous step chose the same k (steady state)."""
-        if self.fixed_k is not None or seconds <= 0 or self._prev_k != self.last_k or self._last_b <= 0:
+    @property
+    def last_round(self) -> tuple[int, int, bool]:
+        """The choice just made: (decoding requests, k, whether the previous step chose the
+        same k). A step's measured throughput is reported with it (``observe_throughput``),
+        since the engine learns a step's whole cost only after the next choice is made."""
+        return self._last_b, self.last_k, self._prev_k == self.last_k
+
+    def observe_throughput(self, num_tokens: int, seconds: float, num_decoding: int, k: int, steady: bool) -> None:
+        """A decode/verify step of ``num_decoding`` requests drafting ``k`` (its ``last_round``)
+        emitted ``num_tokens`` tokens in ``seconds`` of whole step. Counted for its k only
+        when the previous step chose the same k (steady state)."""
+        if self.fixed_k is not None or seconds <= 0 or not steady or num_decoding <= 0:
             return
-        key = (self.bucket(self._last_b), self.last_k)
+        key = (self.bucket(num_decoding), k)
         rate, weight = self.rates.get(key, (0.0, 0.0))
         f = self.rate_forget
         weight = weight * f + 1.0
