@@ -17,6 +17,7 @@ Tested as a table (tests/test_plan.py): (device, dtype, flags, kernels available
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import pathlib
 from dataclasses import dataclass, field
 
@@ -76,12 +77,9 @@ def detect_capabilities(device: torch.device, want_cpu_kernels: bool = True) -> 
     elif device.type != "cpu":
         reason = "not a CPU device"
     cuda = device.type == "cuda" and torch.cuda.is_available()
-    try:
-        import triton  # noqa: F401
-
-        has_triton = True
-    except ImportError:
-        has_triton = False
+    # Found, not imported: importing Triton costs start-up time an engine that does not use it
+    # should not pay.
+    has_triton = importlib.util.find_spec("triton") is not None
     return Capabilities(cpu_flags=cpu_flags(), cpu_kernels=kernels_ok, cpu_kernels_reason=reason,
                         onednn=device.type == "cpu" and onednn_available(), cuda=cuda,
                         cuda_capability=torch.cuda.get_device_capability(device) if cuda else None,
@@ -171,8 +169,7 @@ class TargetPlan:
         return self.model.dtype
 
     def with_draft(self, draft: DraftPlan | None) -> TargetPlan:
-        return TargetPlan(self.device, self.model, self.decode_graph_sizes, self.graphs_reason,
-                          self.sampler_kernels, self.sampler_reason, self.cpu_capability, draft)
+        return dataclasses.replace(self, draft=draft)
 
     def describe(self) -> dict[str, object]:
         """The plan as plain strings (the start-up log and ``/health``)."""
