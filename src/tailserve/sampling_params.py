@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -11,6 +12,69 @@ from tailserve.errors import InvalidRequestError
 # Below this a temperature means greedy decoding (vLLM uses the same cut-off).
 GREEDY_TEMPERATURE = 1e-5
 MAX_SAMPLES = 128  # n and best_of (OpenAI's bound on n)
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What a request's output must match, enforced by constrained decoding (``structured/``).
+
+    vLLM's ``structured_outputs`` field: exactly one of ``json`` (a JSON schema, as a dict or
+    its text), ``json_object`` (any JSON object), ``regex``, ``choice`` (one of these strings)
+    or ``grammar`` (Lark, or GBNF/EBNF as llama.cpp writes it). JSON is generated compactly
+    (``disable_any_whitespace``, the default here): with whitespace free between tokens a
+    weak model can pad with newlines until max_tokens. ``whitespace_pattern`` (a regex)
+    allows exactly that whitespace instead. ``param`` names the request field the errors
+    report (``response_format``, ``tool_choice``, ...)."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = True
+    whitespace_pattern: str | None = None
+    param: str = "structured_outputs"
+
+    def __post_init__(self) -> None:
+        p = self.param
+        schema = self.json
+        if isinstance(schema, dict):
+            object.__setattr__(self, "json", json.dumps(schema))  # frozen and hashable: keep the text
+        elif schema is not None and not isinstance(schema, str):
+            raise InvalidRequestError(f"{p}.json must be a JSON schema (an object), got {type(schema).__name__}", p)
+        elif isinstance(schema, str):
+            try:
+                if not isinstance(json.loads(schema), dict | bool):
+                    raise ValueError("not an object")
+            except ValueError as e:
+                raise InvalidRequestError(f"{p}.json is not a JSON schema object: {e}", p) from None
+        choice = self.choice
+        if choice is not None:
+            if isinstance(choice, str) or not isinstance(choice, Sequence) or not choice:
+                raise InvalidRequestError(f"{p}.choice must be a non-empty list of strings", p)
+            if not all(isinstance(c, str) and c for c in choice):
+                raise InvalidRequestError(f"{p}.choice must contain only non-empty strings", p)
+            object.__setattr__(self, "choice", tuple(choice))
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise InvalidRequestError(f"{p}.{name} must be a non-empty string", p)
+        if not isinstance(self.json_object, bool) or not isinstance(self.disable_any_whitespace, bool):
+            raise InvalidRequestError(f"{p}.json_object and {p}.disable_any_whitespace must be booleans", p)
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            kinds.append("json_object")
+        if len(kinds) != 1:
+            raise InvalidRequestError(
+                f"{p} needs exactly one of json, json_object, regex, choice, grammar; got "
+                f"{', '.join(kinds) or 'none'}", p)
+
+    @property
+    def kind(self) -> str:
+        for k in ("json", "regex", "choice", "grammar"):
+            if getattr(self, k) is not None:
+                return k
+        return "json_object"
 
 
 @dataclass(frozen=True)
@@ -50,6 +114,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token id, bias); dict accepted
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constrained decoding: the output must match this (a grammar mask at every sampled
+    # position, speculative drafts included); logprobs are then the masked distribution's.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Accept a single string / lists for convenience, store tuples (hashable, frozen).
@@ -112,6 +179,9 @@ class SamplingParams:
         if len(clean) > 300:
             raise InvalidRequestError("logit_bias takes at most 300 tokens", "logit_bias")
         object.__setattr__(self, "logit_bias", tuple(clean))
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise InvalidRequestError("structured_outputs must be a StructuredOutputsParams", "structured_outputs")
 
         _check_int(self.n, "n", lo=1)
         if self.n > MAX_SAMPLES:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -18,12 +19,20 @@ from tailserve.config import EngineConfig
 from tailserve.engine.processor import PreparedRequest
 from tailserve.engine.request import Request, RequestStatus
 from tailserve.engine.scheduler import Scheduler
-from tailserve.engine.scheduler_output import EngineCoreOutput, ModelExecutor, StepAppliedError, StepCost
+from tailserve.engine.scheduler_output import (
+    EngineCoreOutput,
+    GrammarBitmask,
+    ModelExecutor,
+    SchedulerOutput,
+    StepAppliedError,
+    StepCost,
+)
 from tailserve.errors import InvalidRequestError, TailserveError
 from tailserve.memory.block_pool import BlockPool
 from tailserve.metrics.timeline import StepStats
 from tailserve.sampling_params import SamplingParams
 from tailserve.speculative.adaptive import AdaptiveSpeculation
+from tailserve.structured.grammar import BitmaskBuilder
 
 log = logging.getLogger("tailserve.engine")
 
@@ -77,21 +86,29 @@ class EngineCore:
         self.step_log: deque[StepStats] = deque(maxlen=4096)
         self.num_steps = 0
         self.num_oom_preemptions = 0  # requests preempted because a step ran out of device memory
+        # Constrained decoding: the step's grammar masks, computed on their own thread while
+        # the forward runs (llguidance drops the GIL); built on the first constrained request.
+        self._bitmask_builder: BitmaskBuilder | None = None
+        self._mask_pool: ThreadPoolExecutor | None = None
         self._pending_timing: _StepTiming | None = None
         self._last_cost: StepCost | None = None  # the last finished decode step's, for the next update
 
     # -- requests --------------------------------------------------------------------------
+    def _request(self, request_id: str, prepared: PreparedRequest, params: SamplingParams) -> Request:
+        req = Request(request_id, prepared.prompt_token_ids, params, self.eos_token_ids, self.max_model_len)
+        if prepared.grammar is not None:
+            req.grammar = prepared.grammar.start()  # each sample its own matcher
+        return req
+
     def add_request(self, request_id: str, prepared: PreparedRequest) -> None:
         if request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        self.scheduler.add_request(Request(request_id, prepared.prompt_token_ids, prepared.params,
-                                           self.eos_token_ids, self.max_model_len))
+        self.scheduler.add_request(self._request(request_id, prepared, prepared.params))
 
     def add_samples(self, prepared: PreparedRequest, samples: list[tuple[str, SamplingParams]]) -> None:
         """Several samples of one prompt (``n`` > 1, ``best_of``): the prompt is computed
         once and its blocks shared (``Scheduler.add_fork_group``)."""
-        reqs = [Request(rid, prepared.prompt_token_ids, params, self.eos_token_ids, self.max_model_len)
-                for rid, params in samples]
+        reqs = [self._request(rid, prepared, params) for rid, params in samples]
         try:
             self.scheduler.add_fork_group(reqs[0], reqs[1:])
         except ValueError as e:
@@ -112,11 +129,14 @@ class EngineCore:
         if sched.is_empty:
             self.worker.free(sched.finished_ids)
             return []
+        sched.grammar = self._grammar_masks(sched)
         try:
             result = self.worker.execute(sched)
         except TailserveError:
+            self._settle_masks(sched)
             raise
         except Exception as e:
+            self._settle_masks(sched)
             if _is_out_of_memory(e) and len(sched.scheduled) > 1 and not isinstance(e, StepAppliedError):
                 # Out of device memory with several requests in the step, before the worker
                 # applied any result: give memory back and preempt the newest half; the rest
@@ -133,6 +153,7 @@ class EngineCore:
             for rid in ids:
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
             raise EngineStepError(f"{type(e).__name__}: {e}", ids) from e
+        self._settle_masks(sched)  # done already where the worker sampled; a fake executor may not
         cost, self._last_cost = self._last_cost, None
         outputs = self.scheduler.update(sched, result, cost)
         self.num_steps += 1
@@ -141,6 +162,37 @@ class EngineCore:
                                            sum(len(o.new_token_ids) for o in outputs), sched.spec_round)
         self._record_step(sched, time.perf_counter_ns() - t0, self.scheduler.num_preemptions - preempted_before)
         return outputs
+
+    def _grammar_masks(self, sched: SchedulerOutput) -> GrammarBitmask | None:
+        """Start computing the masks of the constrained requests that sample this step: one
+        row for the sampled position and one after each draft (grammar.BitmaskBuilder)."""
+        entries = []
+        first_rows: dict[str, int] = {}
+        row = 0
+        requests = self.scheduler.requests
+        for s in sched.scheduled:
+            if not s.sample:
+                continue
+            req = requests.get(s.request_id)
+            if req is None or req.grammar is None:
+                continue
+            first_rows[s.request_id] = row
+            entries.append((req.grammar, s.draft_token_ids))
+            row += len(s.draft_token_ids) + 1
+        if not entries:
+            return None
+        if self._bitmask_builder is None:
+            self._bitmask_builder = BitmaskBuilder(self.info.arch.vocab_size)
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="tailserve-grammar")
+        assert self._mask_pool is not None
+        return GrammarBitmask(first_rows, self._mask_pool.submit(self._bitmask_builder.build, entries))
+
+    @staticmethod
+    def _settle_masks(sched: SchedulerOutput) -> None:
+        """A failed step: let its mask computation finish before anything touches the
+        matchers again (it walks them through the drafts and back)."""
+        if sched.grammar is not None and isinstance(sched.grammar.pending, Future):
+            wait([sched.grammar.pending])
 
     def end_step(self, end_ns: int | None = None) -> None:
         """The caller has processed the step's outputs: the step's full cost is known. It

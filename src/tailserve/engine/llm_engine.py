@@ -33,6 +33,7 @@ from tailserve.metrics.timeline import RequestMetrics
 from tailserve.model.tokenizer import Tokenizer
 from tailserve.outputs import RequestOutput
 from tailserve.sampling_params import SamplingParams
+from tailserve.structured.grammar import GrammarCompiler
 
 __all__ = ["EngineStepError", "LLMEngine", "PreparedRequest", "Prompt"]
 
@@ -50,8 +51,11 @@ class LLMEngine:
         info = self.info = self.core.info
         self.model_dir = info.model_dir
         self.max_model_len = self.core.max_model_len
+        tokenizer = self.tokenizer
+        self.grammar_compiler = None if tokenizer is None else GrammarCompiler(
+            tokenizer.to_json, info.arch.vocab_size, sorted(self.core.eos_token_ids))
         self.processor = Processor(self.tokenizer, info.arch.vocab_size, self.max_model_len, config.block_size,
-                                   info.num_blocks, str(self.model_dir))
+                                   info.num_blocks, str(self.model_dir), self.grammar_compiler)
         self.model_name = config.served_model_name or self.model_dir.name
         self.metrics_enabled = config.enable_metrics
         self.prometheus = PrometheusMetrics(self.model_name) if config.enable_metrics else None

@@ -23,6 +23,7 @@ import torch
 from tailserve.attention.backend import AttentionBackend, DecodeGraph
 from tailserve.attention.reference import TorchReferenceBackend
 from tailserve.engine.scheduler_output import (
+    GrammarBitmask,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -32,6 +33,7 @@ from tailserve.engine.scheduler_output import (
 )
 from tailserve.model.config import ModelArchConfig
 from tailserve.model.llama import LlamaFamilyModel
+from tailserve.sample.bitmask import apply_token_bitmask
 from tailserve.sample.logits_processors import apply_logits_processors
 from tailserve.sample.rejection import RejectionSampler, greedy_rows
 from tailserve.sample.sampler import Sampler, SamplingTensors, fast_argmax
@@ -248,6 +250,8 @@ class ModelRunner:
             if len(sample_rows) < len(input_ids):
                 hidden = hidden[torch.tensor(sample_rows, device=self.device)]
             logits = self.model.compute_logits(hidden)  # (rows, V) float32
+            if sched.grammar is not None:
+                self._apply_grammar(logits, sched.grammar, sampled, num_drafts)
             emitted, rows_of = self._sample(logits, sampled, num_drafts, drafts, spec)
             self._logprobs(out, logits, sampled, rows_of, emitted)
             for st, toks in zip(sampled, emitted):
@@ -260,6 +264,22 @@ class ModelRunner:
             except Exception as e:  # the step's results are applied: it cannot be re-run
                 raise StepAppliedError(f"{type(e).__name__} in the draft proposal: {e}") from e
         return out
+
+    def _apply_grammar(self, logits: torch.Tensor, grammar: GrammarBitmask, sampled: list[CachedRequestState],
+                       num_drafts: list[int]) -> None:
+        """Mask the constrained requests' rows (each sampled position, drafts' included) in
+        place: sampling, verification and logprobs all see the masked distribution."""
+        rows: list[int] = []
+        mask_rows: list[int] = []
+        start = 0
+        for st, k in zip(sampled, num_drafts):
+            first = grammar.first_rows.get(st.request_id)
+            if first is not None:
+                rows.extend(range(start, start + k + 1))
+                mask_rows.extend(range(first, first + k + 1))
+            start += k + 1
+        bitmask = grammar.array()  # waits for the engine core's thread if it is still filling
+        apply_token_bitmask(logits, rows, bitmask[mask_rows], self.sampler.kernels)
 
     def _sample(self, logits: torch.Tensor, sampled: list[CachedRequestState], num_drafts: list[int],
                 drafts: list[list[int]], spec: bool) -> tuple[list[list[int]], list[list[int]]]:

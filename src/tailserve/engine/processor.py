@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from tailserve.errors import InvalidRequestError
 from tailserve.model.tokenizer import Tokenizer
 from tailserve.sampling_params import SamplingParams
+from tailserve.structured.grammar import CompiledGrammar, GrammarCompiler
 
 Prompt = str | list[int]
 
@@ -22,12 +23,14 @@ class PreparedRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    grammar: CompiledGrammar | None = None  # validated, for params.structured_outputs
 
 
 class Processor:
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int, block_size: int,
-                 num_blocks: int, model_dir: str) -> None:
+                 num_blocks: int, model_dir: str, grammar_compiler: GrammarCompiler | None = None) -> None:
         self.tokenizer = tokenizer
+        self.grammar_compiler = grammar_compiler
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -85,4 +88,11 @@ class Processor:
                                           "stop_token_ids")
         if self.tokenizer is None and params.stop:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none", "stop")
-        return PreparedRequest(text, ids, params)
+        grammar = None
+        so = params.structured_outputs
+        if so is not None:
+            if self.grammar_compiler is None:
+                raise InvalidRequestError(f"structured outputs need the model's tokenizer; {self.model_dir} has no "
+                                          "tokenizer.json", so.param)
+            grammar = self.grammar_compiler.compile(so)  # an invalid schema / regex / grammar: here, a 400
+        return PreparedRequest(text, ids, params, grammar)

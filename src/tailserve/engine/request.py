@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tailserve.engine.scheduler_output import draft_room
 from tailserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tailserve.structured.grammar import Matcher
+
+log = logging.getLogger("tailserve.engine")
 
 
 class RequestStatus(enum.Enum):
@@ -59,6 +66,9 @@ class Request:
     # computed, and (on such a sample) the request it waits on.
     fork_children: list[Request] = field(default_factory=list)
     fork_parent: Request | None = None
+    # Constrained decoding: the matcher of the output so far (advanced only by accepted
+    # tokens, never by drafts); dropped when the request finishes.
+    grammar: Matcher | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -101,6 +111,18 @@ class Request:
             self.status = RequestStatus.FINISHED_STOPPED
             self.stop_reason = token_id if token_id in p.stop_token_ids else None
             return True
+        g = self.grammar
+        if g is not None:
+            if not g.consume_token(token_id):
+                # The masks allow only what the grammar does, so this is a bug: say so and end
+                # the request rather than return output the grammar refused.
+                log.error("request %s: the grammar refused accepted token %d (%s)", self.request_id, token_id,
+                          g.get_error())
+                self.status = RequestStatus.FINISHED_ABORTED
+                return True
+            if g.is_stopped():  # the grammar is complete: nothing but EOS could follow
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
         if self.num_output_tokens >= p.max_tokens or self.num_tokens >= self.max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH
             return True

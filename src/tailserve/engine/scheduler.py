@@ -151,6 +151,7 @@ class Scheduler:
             req.fork_children = []
         self.pool.free(req.block_ids)
         req.block_ids = []
+        req.grammar = None  # a finished request's matcher state goes with it
         self.requests.pop(req.request_id, None)
         self._finished_since_step.append(req.request_id)
 

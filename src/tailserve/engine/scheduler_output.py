@@ -25,9 +25,11 @@ the engine core, ``LLMEngine`` and the server read nothing else of it.
 from __future__ import annotations
 
 import pathlib
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 
 from tailserve.sampling_params import SamplingParams
@@ -73,6 +75,26 @@ class ScheduledRequest:
 
 
 @dataclass
+class GrammarBitmask:
+    """This step's grammar masks (constrained decoding). ``first_rows[request_id]`` is the
+    first of that request's k + 1 consecutive rows (its sampled position, then one after each
+    of its k drafts). The engine core computes the bitmask while the forward runs, so
+    ``pending`` may be a future: ``array()`` waits for it; a copy sent to another process
+    (tensor parallelism) carries the finished array."""
+
+    first_rows: dict[str, int]
+    pending: Future | np.ndarray  # (rows, ceil(V / 32)) int32
+
+    def array(self) -> np.ndarray:
+        if isinstance(self.pending, Future):
+            self.pending = self.pending.result()
+        return self.pending
+
+    def __getstate__(self) -> dict:
+        return {"first_rows": self.first_rows, "pending": self.array()}
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     new_requests: list[NewRequestData] = field(default_factory=list)
@@ -85,6 +107,7 @@ class SchedulerOutput:
     # The speculation policy's choice for this step (decoding requests, k, steady: the same
     # k as the previous step), reported back with the step's cost (StepCost.spec_round).
     spec_round: tuple[int, int, bool] | None = None
+    grammar: GrammarBitmask | None = None  # masks of the constrained requests that sample
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -51,6 +51,10 @@ class Tokenizer:
     def maybe_load(cls, model_dir: pathlib.Path) -> Tokenizer | None:
         return cls(model_dir) if (model_dir / "tokenizer.json").is_file() else None
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what llguidance reads)."""
+        return self._tok.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 

@@ -90,6 +90,10 @@ class CpuKernels:
         self._cutoffs = lib.tailserve_sampling_cutoffs
         self._cutoffs.argtypes = [ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int]
         self._cutoffs.restype = None
+        self._bitmask = lib.tailserve_apply_token_bitmask
+        self._bitmask.argtypes = [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 3 \
+            + [ctypes.c_int]
+        self._bitmask.restype = None
 
     def sampling_cutoffs(self, logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         """Per row of float32 logits (N, V): the smallest logit that survives top-k (int64
@@ -104,6 +108,17 @@ class CpuKernels:
         self._cutoffs(logits.data_ptr(), n, v, logits.stride(0), top_k.data_ptr(), top_p.data_ptr(), out.data_ptr(),
                       torch.get_num_threads())
         return out
+
+    def apply_token_bitmask(self, logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """In place: float32 logits (N, V), rows (R,) int64, bitmask (R, ceil(V / 32)) int32
+        (sample/bitmask.py): every token whose bit is clear gets -inf."""
+        if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+            raise ValueError("apply_token_bitmask takes float32 (N, V) logits with unit stride on V")
+        rows = rows.to(torch.int64).contiguous()
+        bitmask = bitmask.contiguous()
+        r, w = bitmask.shape
+        self._bitmask(logits.data_ptr(), logits.stride(0), rows.data_ptr(), bitmask.data_ptr(), r, logits.shape[1],
+                      w, torch.get_num_threads())
 
     def paged_decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor, scale: float,

@@ -630,3 +630,28 @@ void tailserve_decode_layer(const tailserve_layer* L, const tailserve_step* S, f
     gemm_fmt(L->fmt, act, L->w_down, L->s_down, out, M, E, I, nt);
     free(a);
 }
+
+/* Grammar masks (structured outputs): logits[rows[r], t] = -inf where bit t % 32 of
+ * mask[r, t / 32] is clear. Words that allow everything are skipped and words that allow
+ * nothing are filled 32 at a time: under a JSON grammar nearly every word is one or the
+ * other, so a 150k-vocabulary row costs about one pass over its 4,700 words. */
+void tailserve_apply_token_bitmask(float* logits, long stride, const int64_t* rows, const int32_t* mask,
+                                   long R, long V, long W, int threads) {
+    const float ninf = -INFINITY;
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if(R * V > (1L << 20))")
+    for (long r = 0; r < R; r++) {
+        float* x = logits + rows[r] * stride;
+        const uint32_t* m = (const uint32_t*)(mask + r * W);
+        for (long w = 0; w < W; w++) {
+            uint32_t b = m[w];
+            if (b == 0xffffffffu) continue;
+            long base = w * 32, end = base + 32 < V ? base + 32 : V;
+            if (b == 0) {
+                for (long t = base; t < end; t++) x[t] = ninf;
+            } else {
+                for (long t = base; t < end; t++)
+                    if (!((b >> (t - base)) & 1u)) x[t] = ninf;
+            }
+        }
+    }
+}
