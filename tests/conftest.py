@@ -141,6 +141,84 @@ def tiny_server(llama_checkpoint):
         yield srv
 
 
+# A chat template in the Qwen2.5 / Hermes style (ChatML turns; tools listed in the system turn
+# between <tools> tags; calls written as <tool_call>{"name", "arguments"}</tool_call>; tool
+# results sent back in a user turn between <tool_response> tags), written for these tests.
+QWEN_STYLE_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+{{ messages[0].content if messages[0].role == 'system' else 'You are a helpful assistant.' }}
+
+# Tools
+
+You may call functions. Their signatures are between <tools></tools> tags:
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+
+To call one, write <tool_call>{"name": <function-name>, "arguments": <args-json-object>}</tool_call>.<|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'system' %}
+{%- elif m.role == 'assistant' %}<|im_start|>assistant
+{{ m.content }}
+{%- for c in m.tool_calls or [] %}
+<tool_call>
+{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif m.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+@pytest.fixture(scope="session")
+def chat_checkpoint(tmp_path_factory):
+    """A tiny random Qwen2 with ChatML special tokens, <tool_call> markup tokens and the
+    Qwen-style template above (chat_template.jinja), its EOS <|im_end|>: what an agent
+    framework talks to (constrained decoding makes its forced calls valid whatever the weights)."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer
+
+    path = tmp_path_factory.mktemp("chat_qwen")
+    make_tokenizer(path)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)])
+    tok.add_tokens([AddedToken("<tool_call>", special=False), AddedToken("</tool_call>", special=False)])
+    eos = tok.token_to_id("<|im_end|>")
+    model = build_hf_model("qwen2", eos_token_id=eos, bos_token_id=None, max_position_embeddings=2048)
+    model.save_pretrained(path, safe_serialization=True)
+    tok.post_processor = None
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>"}))
+    (path / "chat_template.jinja").write_text(QWEN_STYLE_TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tool_server(chat_checkpoint):
+    """``tailserve serve`` of the chat checkpoint with auto tool choice (hermes parser), shared
+    by the tool-calling and structured-output HTTP tests."""
+    from tailserve.bench.local_server import LocalServer
+
+    with LocalServer(["--model", str(chat_checkpoint), "--dtype", "float32", "--no-warmup", "--kv-cache-memory",
+                      "16MiB", "--served-model-name", "qwen-tiny", "--enable-auto-tool-choice",
+                      "--tool-call-parser", "hermes"]) as srv:
+        yield srv
+
+
 @pytest.fixture(scope="session")
 def engine_cache():
     """engine_cache(**llm_kwargs) -> an ``LLM``, one per distinct configuration for the whole

@@ -136,3 +136,74 @@ def test_fuzz_chat(server, body):
 @given(body=st.one_of(bodies("completions"), bodies("chat")), chat=st.booleans())
 def test_fuzz_both_endpoints_longer(server, body, chat):
     _check(server, "/v1/chat/completions" if chat else "/v1/completions", body)
+
+
+# -- structured outputs and tool calling: random schemas, regexes, grammars, tool lists -----------
+_names = st.text(alphabet="abcdefgh_", min_size=1, max_size=6)
+_leaf_schemas = st.one_of(
+    st.fixed_dictionaries({"type": st.sampled_from(["string", "integer", "number", "boolean", "null", "strin"])},
+                          optional={"maxLength": st.integers(-1, 6), "minLength": st.integers(0, 3),
+                                    "minimum": st.integers(-5, 5), "maximum": st.integers(-5, 50),
+                                    "pattern": st.text(alphabet="ab[]()*+?^$|\\.", max_size=6),
+                                    "format": st.sampled_from(["date", "email", "uuid", "bogus"])}),
+    st.fixed_dictionaries({"enum": st.lists(st.one_of(st.text(max_size=4), st.integers(0, 9)), max_size=3)}),
+    st.fixed_dictionaries({"const": json_values}), st.just({}), st.just({"not": {}}),
+    st.fixed_dictionaries({"$ref": st.sampled_from(["#/$defs/x", "#", "#/nope"])}),
+)
+schemas = st.recursive(_leaf_schemas, lambda inner: st.one_of(
+    st.fixed_dictionaries({"type": st.just("object"), "properties": st.dictionaries(_names, inner, max_size=3)},
+                          optional={"required": st.lists(_names, max_size=3),
+                                    "additionalProperties": st.one_of(st.booleans(), inner)}),
+    st.fixed_dictionaries({"type": st.just("array"), "items": inner},
+                          optional={"maxItems": st.integers(0, 3), "minItems": st.integers(0, 2)}),
+    st.fixed_dictionaries({"anyOf": st.lists(inner, min_size=1, max_size=3)}),
+    st.fixed_dictionaries({"oneOf": st.lists(inner, min_size=1, max_size=2)})), max_leaves=6)
+regexes = st.one_of(st.text(alphabet="ab01()[]{}*+?|\\.^$-,dws", max_size=12),
+                    st.sampled_from([r"[a-z]{2,5}", r"(ab|cd)+e?", r"\d{1,3}(\.\d+)?", r"a{1000}{1000}", r"(a*)*b"]))
+grammars = st.one_of(st.text(max_size=30), st.sampled_from([
+    'root ::= "yes" | "no"', 'root ::= [a-c]+ "!"', "start: /[0-9]+/ (\",\" /[0-9]+/)*", "root ::= (", "start: x"]))
+tools = st.lists(st.one_of(
+    st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+        {"name": _names}, optional={"parameters": schemas, "description": st.text(max_size=10)})}),
+    json_values), max_size=3)
+tool_choices = st.one_of(st.sampled_from(["none", "auto", "required", "bogus"]), json_values,
+                         st.fixed_dictionaries({"type": st.just("function"),
+                                                "function": st.fixed_dictionaries({"name": _names})}))
+structured = st.one_of(
+    st.fixed_dictionaries({}, optional={"json": st.one_of(schemas, json_values), "regex": regexes,
+                                        "choice": st.one_of(st.lists(st.text(max_size=5), max_size=3), json_values),
+                                        "grammar": grammars, "json_object": st.booleans(),
+                                        "disable_any_whitespace": st.one_of(st.booleans(), json_values)}),
+    json_values)
+response_formats = st.one_of(
+    st.fixed_dictionaries({"type": st.sampled_from(["json_object", "json_schema", "text", "grammar"])},
+                          optional={"json_schema": st.fixed_dictionaries(
+                              {"name": st.text(max_size=5)}, optional={"schema": schemas, "strict": st.booleans()})}),
+    json_values)
+
+
+def structured_bodies(chat: bool):
+    base = {"max_tokens": st.integers(1, 12), "model": st.just("qwen-tiny")}
+    if chat:
+        base["messages"] = st.just([{"role": "user", "content": "hi"}])
+        optional = {"tools": tools, "tool_choice": tool_choices, "parallel_tool_calls": st.booleans(),
+                    "response_format": response_formats, "structured_outputs": structured,
+                    "stream": st.booleans(), "temperature": st.floats(0, 1.5), "seed": st.integers(0, 99),
+                    "n": st.integers(1, 2)}
+    else:
+        base["prompt"] = st.text(min_size=1, max_size=12)
+        optional = {"structured_outputs": structured, "stream": st.booleans(), "temperature": st.floats(0, 1.5),
+                    "seed": st.integers(0, 99)}
+    return st.fixed_dictionaries(base, optional=optional)
+
+
+@FUZZ
+@given(body=structured_bodies(chat=True))
+def test_fuzz_tool_calls_and_structured_outputs_chat(tool_server, body):
+    _check(tool_server, "/v1/chat/completions", body)
+
+
+@FUZZ
+@given(body=structured_bodies(chat=False))
+def test_fuzz_structured_outputs_completions(tool_server, body):
+    _check(tool_server, "/v1/completions", body)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import sys
 import time
 from collections.abc import Sequence
@@ -152,8 +153,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     elif args.port == 65535:
         raise ConfigError("--port 65535 leaves no port for the h2c listener (--port + 1); pass --http2-port N "
                           "or --http2-port 0")
+    tools = _tool_options(args)
     if args.ray_replicas is not None:
-        return _serve_on_ray(args)
+        return _serve_on_ray(args, tools)
     http2_port = resolve_http2_port(args.port, args.http2_port)
     check_bindable(args.host, args.port)  # fail before spending seconds loading the model
     if http2_port:
@@ -169,11 +171,37 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     aliases = [*names[1:], engine.model_dir.name]
     run_server(engine, host=args.host, port=args.port, http2_port=http2_port, api_key=args.api_key,
                max_body_bytes=parse_bytes(args.max_request_body), max_waiting_requests=args.max_waiting_requests,
-               access_log=args.access_log, model_aliases=aliases)
+               access_log=args.access_log, model_aliases=aliases, **tools)
     return 0
 
 
-def _serve_on_ray(args: argparse.Namespace) -> int:
+def _tool_options(args: argparse.Namespace) -> dict[str, object]:
+    """--chat-template, --enable-auto-tool-choice, --tool-call-parser, checked before loading."""
+    from tailserve.server.tools import ToolCallingConfig
+
+    template = None
+    if args.chat_template is not None:
+        path = pathlib.Path(args.chat_template)
+        try:
+            template = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--chat-template {path}: cannot read it ({e})") from None
+        from jinja2 import TemplateSyntaxError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        try:
+            ImmutableSandboxedEnvironment().parse(template)
+        except TemplateSyntaxError as e:
+            raise ConfigError(f"--chat-template {path}: not a valid Jinja template (line {e.lineno}: {e.message})") \
+                from None
+    try:
+        config = ToolCallingConfig(args.enable_auto_tool_choice, args.tool_call_parser)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return {"chat_template": template, "tool_calling": config}
+
+
+def _serve_on_ray(args: argparse.Namespace, tools: dict[str, object]) -> int:
     """``--ray-replicas N``: N engines as Ray Serve replicas behind one endpoint on --port
     (tailserve/integrations/ray_serve.py), until SIGINT/SIGTERM."""
     import signal
@@ -205,7 +233,8 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
         num_replicas=args.ray_replicas, engine_kwargs=kw, served_model_names=names,
         num_cpus_per_replica=max(cores, args.ray_replicas) / args.ray_replicas,
         server_kwargs={"api_key": args.api_key, "max_body_bytes": parse_bytes(args.max_request_body),
-                       "max_waiting_requests": args.max_waiting_requests}), route_prefix="/", name="tailserve")
+                       "max_waiting_requests": args.max_waiting_requests, **tools}), route_prefix="/",
+        name="tailserve")
     print(f"serving {names[0]} on http://{args.host}:{args.port} with {args.ray_replicas} Ray Serve replicas",
           file=sys.stderr)
     stop = threading.Event()
@@ -418,6 +447,15 @@ def build_parser() -> argparse.ArgumentParser:
                           "(vllm:num_requests_waiting, vllm:num_requests_running, vllm:kv_cache_usage_perc, "
                           "vllm:cache_config_info); see docs/scaling.md")
     srv.add_argument("--access-log", action="store_true")
+    srv.add_argument("--chat-template", default=None, metavar="FILE",
+                     help="a Jinja chat template to use instead of the checkpoint's (it sees messages, tools, "
+                          "add_generation_prompt, bos_token, eos_token)")
+    srv.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help='answer tool_choice "auto" (the default when a request sends tools) by parsing the '
+                          "model's own tool-call markup; needs --tool-call-parser")
+    srv.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+                     help="the model family's tool-call markup: hermes (Qwen2.5/Qwen3, Hermes: <tool_call>...), "
+                          "llama3_json (Llama 3.x JSON calls), mistral ([TOOL_CALLS])")
     _add_engine_args(srv)
     srv.set_defaults(func=_cmd_serve)
 

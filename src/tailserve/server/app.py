@@ -46,7 +46,9 @@ from tailserve.server.protocol import (
     completion_request,
     field,
     parse_json_body,
+    with_structured_outputs,
 )
+from tailserve.server.tools import ChoiceStream, ToolCallingConfig, ToolMode
 
 log = logging.getLogger("tailserve.server")
 DEFAULT_MAX_BODY_BYTES = 1 << 20
@@ -64,7 +66,8 @@ def server_timing_header(m: RequestMetrics | None) -> str:
 class Server:
     def __init__(self, engine: LLMEngine, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  max_waiting_requests: int = 256, start_engine_thread: bool = True,
-                 model_aliases: Sequence[str] = ()) -> None:
+                 model_aliases: Sequence[str] = (), chat_template: str | None = None,
+                 tool_calling: ToolCallingConfig | None = None) -> None:
         self.engine = engine
         self.async_engine = AsyncEngine(engine, max_waiting_requests, start_thread=start_engine_thread)
         self.api_key = api_key
@@ -73,7 +76,8 @@ class Server:
         # Every name a request may use: the served name first, then its aliases (the
         # checkpoint folder's own name, further --served-model-name values).
         self.model_names = [self.model_name, *[a for a in dict.fromkeys(model_aliases) if a != self.model_name]]
-        self.chat = ChatTemplate(engine.tokenizer) if engine.tokenizer is not None else None
+        self.chat = ChatTemplate(engine.tokenizer, chat_template) if engine.tokenizer is not None else None
+        self.tool_calling = tool_calling or ToolCallingConfig()
         self.created = int(time.time())
 
     # -- plumbing ----------------------------------------------------------------------
@@ -200,21 +204,32 @@ class Server:
         arrival = time.perf_counter_ns()
         rid = request.headers.get("x-request-id") or f"chatcmpl-{uuid.uuid4().hex}"
         self._check_auth(request)
-        messages, greq = chat_request(await self._read_json(request))
+        creq = chat_request(await self._read_json(request))
+        greq = creq.greq
         self._check_model(greq.model)
         if self.chat is None:
             raise APIError(400, "this model has no tokenizer, so chat is not available; use /v1/completions "
                                 "with token ids", "messages")
-        prompt_ids = self.chat.render(messages)
+        tools = ToolMode(creq, self.tool_calling)
+        with_structured_outputs(greq, tools.structured, tools.skip_special_tokens)
+        prompt_ids = self.chat.render(creq.messages, creq.tools)
         subs = self._submit(rid, [prompt_ids], greq, arrival)
         if greq.stream:
-            return StreamingResponse(self._stream(rid, subs, greq, chat=True), media_type="text/event-stream",
-                                     headers=self._headers(rid))
+            return StreamingResponse(self._stream(rid, subs, greq, chat=True, tools=tools),
+                                     media_type="text/event-stream", headers=self._headers(rid))
         outs = await self._collect(request, subs)
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                    "logprobs": self._chat_logprobs(c, 0, greq.logprobs) if greq.logprobs is not None else None}
-                   for c in outs[0].outputs]
+        choices = []
+        for c in outs[0].outputs:
+            content, calls = tools.extract(c.text)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            finish = c.finish_reason
+            if calls:
+                message["tool_calls"] = [call.to_openai() for call in calls]
+                finish = "tool_calls" if finish == "stop" else finish
+            choices.append({"index": c.index, "message": message, "finish_reason": finish,
+                            "stop_reason": c.stop_reason,
+                            "logprobs": self._chat_logprobs(c, 0, greq.logprobs) if greq.logprobs is not None
+                            else None})
         return self._final_json(rid, "chat.completion", choices, outs)
 
     def _final_json(self, rid: str, obj: str, choices: list, outs: list[RequestOutput],
@@ -229,7 +244,8 @@ class Server:
                 "timing": timing_dict(slowest)}
         return JSONResponse(body, headers=self._headers(rid, slowest))
 
-    async def _stream(self, rid: str, subs, greq: GenerationRequest, chat: bool) -> AsyncIterator[bytes]:
+    async def _stream(self, rid: str, subs, greq: GenerationRequest, chat: bool,
+                      tools: ToolMode | None = None) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
         finals: list[RequestOutput] = []
@@ -237,6 +253,9 @@ class Server:
         lp_sent: dict[int, int] = {}  # per choice: how many tokens' logprobs have been streamed
         echoed: set[int] = set()  # choices whose prompt (echo) has been sent
         ended: set[int] = set()  # choices whose finish_reason has been sent
+        # Tool calling: each choice's text through its parser (markup never reaches content).
+        tool_streams: dict[int, ChoiceStream] = {}
+        reads_tools = tools is not None and (tools.forced is not None or tools.parser is not None)
         events = self._events(subs)
         try:
             if chat:
@@ -256,6 +275,21 @@ class Server:
                     finish = c.finish_reason
                     if not c.delta_text and (finish is None or index in ended):
                         continue
+                    delta: dict[str, Any] = {"content": c.delta_text}
+                    if chat and reads_tools:
+                        assert tools is not None
+                        cs = tool_streams.get(index) or tool_streams.setdefault(index, tools.stream())
+                        content, tool_deltas = cs.feed(c.delta_text)
+                        if finish is not None:
+                            more, more_deltas = cs.finish()
+                            content, tool_deltas = content + more, tool_deltas + more_deltas
+                            if cs.num_calls and finish == "stop":
+                                finish = "tool_calls"
+                        delta = {"content": content} if content else {}
+                        if tool_deltas:
+                            delta["tool_calls"] = [d.to_openai() for d in tool_deltas]
+                        if not delta and finish is None:
+                            continue  # held back: it may begin a call
                     if finish is not None:
                         ended.add(index)
                     # Logprobs of every token since the last chunk (tokens whose text is held
@@ -267,8 +301,7 @@ class Server:
                         lps = (self._chat_logprobs(c, start, greq.logprobs) if chat
                                else self._completion_logprobs(c, start))
                     if chat:
-                        choices.append({"index": index, "delta": {"content": c.delta_text}, "logprobs": lps,
-                                        "finish_reason": finish})
+                        choices.append({"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish})
                         continue
                     text = c.delta_text
                     if greq.score_only:  # nothing generated is shown: the prompt (below) and the end
@@ -384,7 +417,7 @@ class Server:
         self._check_model(field(body, "model", "str", None))
         tok = self._need_tokenizer()
         if "messages" in body and body["messages"] is not None:
-            messages, _ = chat_request({"messages": body["messages"]})
+            messages = chat_request({"messages": body["messages"]}).messages
             if not field(body, "add_generation_prompt", "bool", True):
                 raise APIError(400, "add_generation_prompt=false is not supported", "add_generation_prompt",
                                code="unsupported_field")

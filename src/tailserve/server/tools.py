@@ -1,0 +1,113 @@
+"""Tool calling on chat completions: a request's ``tools`` and ``tool_choice`` become a
+constraint (forced calls) or a parser (``auto``), and each choice's text becomes content and
+``tool_calls``, whole or streamed (``structured/tool_parsers.py`` has the formats).
+
+- ``"none"``, or tools without ``tool_choice`` on a server without auto tool choice: no
+  tool handling (``"none"``: the template still sees the tools, as vLLM renders them);
+- ``"auto"``: needs ``--enable-auto-tool-choice --tool-call-parser NAME``; the parser reads
+  what the model wrote, and content comes back when it wrote no call;
+- ``"required"`` / a named function: the output is generated under the calls' JSON schema
+  (enforced, so the arguments always validate), whichever parser the server has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tailserve.sampling_params import StructuredOutputsParams
+from tailserve.server.protocol import APIError, ChatRequest
+from tailserve.structured.tool_parsers import (
+    ForcedCalls,
+    ToolCall,
+    ToolCallDelta,
+    ToolParser,
+    forced_call_schema,
+    get_tool_parser,
+)
+
+
+@dataclass(frozen=True)
+class ToolCallingConfig:
+    """The server's flags: ``--enable-auto-tool-choice`` and ``--tool-call-parser``."""
+
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser is not None:
+            get_tool_parser(self.tool_call_parser)  # ValueError naming the choices
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, mistral)")
+
+
+class ToolMode:
+    """How one request's choices are read: ``forced`` (a named function or ``"required"``),
+    ``parser`` (``auto``), or neither (plain content)."""
+
+    def __init__(self, creq: ChatRequest, config: ToolCallingConfig) -> None:
+        self.forced: ForcedCalls | None = None
+        self.parser: ToolParser | None = None
+        self.structured: StructuredOutputsParams | None = None
+        self.parallel = creq.parallel_tool_calls
+        choice = creq.tool_choice
+        if choice is None or choice == "none":
+            return
+        tools = creq.tools or []
+        if choice == "auto":
+            if not config.enable_auto_tool_choice:
+                raise APIError(400, 'tool_choice "auto" (the default when tools are sent) needs the server started '
+                                    "with --enable-auto-tool-choice --tool-call-parser NAME; or send tool_choice "
+                                    '"required", a named function, or "none"', "tool_choice")
+            self.parser = get_tool_parser(config.tool_call_parser or "")
+            return
+        name = creq.forced_function
+        self.forced = ForcedCalls(name)
+        # Compact JSON under the schema (param "tools": a bad parameters schema is the tools' fault).
+        self.structured = StructuredOutputsParams(json=forced_call_schema(tools, name, self.parallel), param="tools")
+
+    @property
+    def skip_special_tokens(self) -> bool | None:
+        """False where the parser's markup is a special token (it must survive detokenizing)."""
+        return False if self.parser is not None and self.parser.needs_special_tokens else None
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        if self.forced is not None:
+            calls = self.forced.calls(text)
+            return (None, calls) if calls else (text, [])
+        if self.parser is not None:
+            content, calls = self.parser.extract(text)
+            return content, calls if self.parallel else calls[:1]
+        return text, []
+
+    def stream(self) -> ChoiceStream:
+        return ChoiceStream(self)
+
+
+class ChoiceStream:
+    """One streamed choice: ``feed(delta)`` / ``finish()`` -> (content delta, tool-call deltas)."""
+
+    def __init__(self, mode: ToolMode) -> None:
+        self.mode = mode
+        self.forced = ForcedCalls(mode.forced.name) if mode.forced is not None else None
+        self.parsed = mode.parser.stream() if mode.parser is not None else None
+        self.num_calls = 0
+
+    def _count(self, deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+        if not self.mode.parallel:
+            deltas = [d for d in deltas if d.index == 0]
+        self.num_calls = max([self.num_calls, *(d.index + 1 for d in deltas)])
+        return deltas
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCallDelta]]:
+        if self.forced is not None:
+            return "", self._count(self.forced.feed(delta))
+        if self.parsed is not None:
+            content, deltas = self.parsed.feed(delta)
+            return content, self._count(deltas)
+        return delta, []
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        if self.parsed is not None:
+            content, deltas = self.parsed.finish()
+            return content, self._count(deltas)
+        return "", []
