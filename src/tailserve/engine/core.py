@@ -88,6 +88,7 @@ class EngineCore:
         self.num_oom_preemptions = 0  # requests preempted because a step ran out of device memory
         # Constrained decoding: the step's grammar masks, computed on their own thread while
         # the forward runs (llguidance drops the GIL); built on the first constrained request.
+        self.overlap_grammar_masks = True  # False: compute them before the forward (benchmarks compare)
         self._bitmask_builder: BitmaskBuilder | None = None
         self._mask_pool: ThreadPoolExecutor | None = None
         self._pending_timing: _StepTiming | None = None
@@ -185,6 +186,8 @@ class EngineCore:
             self._bitmask_builder = BitmaskBuilder(self.info.arch.vocab_size)
             self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="tailserve-grammar")
         assert self._mask_pool is not None
+        if not self.overlap_grammar_masks:
+            return GrammarBitmask(first_rows, self._bitmask_builder.build(entries))
         return GrammarBitmask(first_rows, self._mask_pool.submit(self._bitmask_builder.build, entries))
 
     @staticmethod

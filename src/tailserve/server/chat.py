@@ -22,12 +22,12 @@ log = logging.getLogger("tailserve.server")
 
 FALLBACK_TEMPLATE = (
     "{% if tools %}### Tools\nTo call a function, write <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>."
-    "\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}\n{% endif %}"
+    "\n{% for t in tools %}{{ t | tojson }}{{ '\\n' }}{% endfor %}{{ '\\n' }}{% endif %}"
     "{% for m in messages %}"
     "{{ '### ' + m['role'] | capitalize }}\n{{ m['content'] }}"
     "{% for c in m.get('tool_calls') or [] %}"
     "<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>"
-    "{% endfor %}\n\n"
+    "{% endfor %}{{ '\\n\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}### Assistant\n{% endif %}"
 )
