@@ -18,13 +18,16 @@ FLOOR0 = {"config", "errors", "sampling_params", "platform_info"}
 FORBIDDEN = {
     "kernels": {"model", "attention", "sample", "memory", "speculative", "metrics", "engine", "server", "bench",
                 "structured", "integrations", "cli"},
-    "sample": {"model", "attention", "memory", "speculative", "metrics", "engine", "server", "bench", "cli"},
+    "sample": {"model", "attention", "memory", "speculative", "metrics", "engine", "server", "bench", "structured",
+               "cli"},
     "memory": {"engine", "speculative", "server", "bench", "cli"},
     "speculative": {"engine", "server", "bench", "cli"},
     "attention": {"model", "engine", "speculative", "server", "bench", "cli"},
     "metrics": {"memory", "engine", "speculative", "model", "attention", "server", "bench", "cli"},
     "model": {"engine", "speculative", "server", "bench", "cli"},
     "engine": {"server", "bench", "cli"},
+    # Grammars and tool-call parsers: plain data and llguidance, below the engine.
+    "structured": {"engine", "server", "bench", "model", "attention", "memory", "speculative", "metrics", "cli"},
     # The load generator speaks only HTTP (its tokenizer is model/tokenizer.py's wrapper).
     "bench": {"engine", "server", "attention", "memory", "speculative", "sample", "kernels"},
 }
