@@ -280,3 +280,29 @@ def test_sampled_constrained_tokens_follow_the_masked_target_under_speculation(t
     spec = llm.engine.spec_stats
     assert spec.num_draft_tokens > 0 and 0 < spec.acceptance_rate < 1
     assert chi2_pvalue(counts, exact.reshape(-1)) > 1e-3
+
+
+def test_masks_beside_the_forward_give_the_same_output_as_before_it(builtin):
+    core = builtin.engine.core
+    p = SamplingParams(max_tokens=60, temperature=1.0, seed=9, structured_outputs=SO(json=SCHEMA))
+    planned = core.overlap_grammar_masks
+    try:
+        core.overlap_grammar_masks = True  # the GPU's choice: a future the worker waits on
+        beside = _texts(builtin, p)
+        core.overlap_grammar_masks = False
+        assert _texts(builtin, p) == beside
+    finally:
+        core.overlap_grammar_masks = planned
+
+
+def test_a_pending_bitmask_crosses_a_process_boundary_finished():
+    import pickle
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tailserve.engine.scheduler_output import GrammarBitmask
+
+    with ThreadPoolExecutor(1) as pool:
+        gb = GrammarBitmask({"r": 0}, pool.submit(lambda: np.full((2, 3), 7, dtype=np.int32)))
+        copy = pickle.loads(pickle.dumps(gb))  # what the tensor-parallel executor sends its ranks
+    assert isinstance(copy.pending, np.ndarray) and copy.array().tolist() == [[7] * 3] * 2
+    assert copy.first_rows == {"r": 0}

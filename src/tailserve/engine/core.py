@@ -88,7 +88,7 @@ class EngineCore:
         self.num_oom_preemptions = 0  # requests preempted because a step ran out of device memory
         # Constrained decoding: the step's grammar masks, computed on their own thread while
         # the forward runs (llguidance drops the GIL); built on the first constrained request.
-        self.overlap_grammar_masks = True  # False: compute them before the forward (benchmarks compare)
+        self.overlap_grammar_masks = info.plan.overlap_grammar_masks  # the plan's; benchmarks flip it
         self._bitmask_builder: BitmaskBuilder | None = None
         self._mask_pool: ThreadPoolExecutor | None = None
         self._pending_timing: _StepTiming | None = None

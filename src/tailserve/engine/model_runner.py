@@ -279,7 +279,9 @@ class ModelRunner:
                 mask_rows.extend(range(first, first + k + 1))
             start += k + 1
         bitmask = grammar.array()  # waits for the engine core's thread if it is still filling
-        apply_token_bitmask(logits, rows, bitmask[mask_rows], self.sampler.kernels)
+        if mask_rows != list(range(len(bitmask))):
+            bitmask = bitmask[mask_rows]
+        apply_token_bitmask(logits, rows, bitmask, self.sampler.kernels)
 
     def _sample(self, logits: torch.Tensor, sampled: list[CachedRequestState], num_drafts: list[int],
                 drafts: list[list[int]], spec: bool) -> tuple[list[list[int]], list[list[int]]]:
