@@ -92,12 +92,13 @@ def test_compiled_grammars_are_cached(compiler8):
 
 
 # -- the bitmask --------------------------------------------------------------------------------
-def test_bitmask_rows_follow_the_drafts_and_leave_the_matcher_where_it_was(compiler8):
+@pytest.mark.parametrize("parallel", [False, True])
+def test_bitmask_rows_follow_the_drafts_and_leave_the_matcher_where_it_was(compiler8, parallel):
     from tailserve.structured.grammar import BitmaskBuilder
 
     g = compiler8.compile(SO(regex="[ab][c-f][ab]"))
     m1, m2 = g.start(), g.start()
-    b = BitmaskBuilder(8)
+    b = BitmaskBuilder(8, parallel=parallel)
     # m1 drafts a (valid), e (valid), c (invalid: the third must be a or b), d; m2 none.
     bm = b.build([(m1, [2, 6, 4, 5]), (m2, [])])
     assert bm.shape == (6, 1)
@@ -285,14 +286,14 @@ def test_sampled_constrained_tokens_follow_the_masked_target_under_speculation(t
 def test_masks_beside_the_forward_give_the_same_output_as_before_it(builtin):
     core = builtin.engine.core
     p = SamplingParams(max_tokens=60, temperature=1.0, seed=9, structured_outputs=SO(json=SCHEMA))
-    planned = core.overlap_grammar_masks
+    planned = core.grammar_overlap_min_rows
     try:
-        core.overlap_grammar_masks = True  # the GPU's choice: a future the worker waits on
+        core.grammar_overlap_min_rows = 1  # a future the worker waits on
         beside = _texts(builtin, p)
-        core.overlap_grammar_masks = False
+        core.grammar_overlap_min_rows = 1 << 30
         assert _texts(builtin, p) == beside
     finally:
-        core.overlap_grammar_masks = planned
+        core.grammar_overlap_min_rows = planned
 
 
 def test_a_pending_bitmask_crosses_a_process_boundary_finished():

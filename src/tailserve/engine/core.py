@@ -88,7 +88,7 @@ class EngineCore:
         self.num_oom_preemptions = 0  # requests preempted because a step ran out of device memory
         # Constrained decoding: the step's grammar masks, computed on their own thread while
         # the forward runs (llguidance drops the GIL); built on the first constrained request.
-        self.overlap_grammar_masks = info.plan.overlap_grammar_masks  # the plan's; benchmarks flip it
+        self.grammar_overlap_min_rows = info.plan.grammar_overlap_min_rows  # the plan's; benchmarks vary it
         self._bitmask_builder: BitmaskBuilder | None = None
         self._mask_pool: ThreadPoolExecutor | None = None
         self._pending_timing: _StepTiming | None = None
@@ -183,10 +183,12 @@ class EngineCore:
         if not entries:
             return None
         if self._bitmask_builder is None:
-            self._bitmask_builder = BitmaskBuilder(self.info.arch.vocab_size)
+            # Beside the forward (a GPU's host is idle): llguidance's threads; else in place.
+            self._bitmask_builder = BitmaskBuilder(self.info.arch.vocab_size,
+                                                   parallel=self.info.plan.grammar_masks_parallel)
             self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="tailserve-grammar")
         assert self._mask_pool is not None
-        if not self.overlap_grammar_masks:
+        if row < self.grammar_overlap_min_rows:
             return GrammarBitmask(first_rows, self._bitmask_builder.build(entries))
         return GrammarBitmask(first_rows, self._mask_pool.submit(self._bitmask_builder.build, entries))
 

@@ -163,9 +163,11 @@ class TargetPlan:
     sampler_reason: str
     cpu_capability: str
     draft: DraftPlan | None = field(default=None)
-    # Constrained decoding: fill the grammar masks on their own thread while the forward
-    # runs (True), or before it.
-    overlap_grammar_masks: bool = False
+    # Constrained decoding: a step with at least this many constrained rows fills its grammar
+    # masks on another thread while the forward runs, a smaller one before it; and whether
+    # the fill itself runs on llguidance's thread pool.
+    grammar_overlap_min_rows: int = 1
+    grammar_masks_parallel: bool = False
     grammar_masks_reason: str = ""
 
     @property
@@ -182,7 +184,8 @@ class TargetPlan:
             "device": str(self.device), "cpu": self.cpu_capability, **self.model.describe(),
             "decode_graphs": f"{graphs} ({self.graphs_reason})",
             "sampler": f"{'compiled cut-offs' if self.sampler_kernels else 'torch'} ({self.sampler_reason})",
-            "grammar_masks": f"{'beside' if self.overlap_grammar_masks else 'before'} the forward "
+            "grammar_masks": f"beside the forward from {self.grammar_overlap_min_rows} rows"
+                             f"{', on llguidance threads' if self.grammar_masks_parallel else ''} "
                              f"({self.grammar_masks_reason})",
         }
         if self.draft is not None:
@@ -282,15 +285,18 @@ def plan_target(config: EngineConfig, arch: ModelArchConfig, device: torch.devic
     kernels = device.type == "cpu" and config.cpu_kernels and caps.cpu_kernels
     sampler_why = "top-k / top-p cut-offs by quickselect in the compiled kernels" if kernels else (
         "not a CPU device" if device.type != "cpu" else f"sort-based cut-offs ({_kernels_off(config, caps)})")
-    # A CPU forward keeps every core busy with its own threads and holds the GIL between ops,
-    # so a mask thread finishing early waits for both: measured on 2 AVX2 cores
-    # (benchmarks/bench_structured.py), constrained decode at 0.78-0.82x of unconstrained
-    # with the masks beside the forward against 0.84x before it. On a GPU the host only waits.
-    overlap = device.type != "cpu"
-    masks_why = ("the forward runs on the device; the host fills the masks meanwhile" if overlap
-                 else "a CPU forward occupies the cores (measured slower beside it)")
+    # Measured on 2 AVX2 cores (benchmarks/bench_structured.py, docs/benchmarks.md): one
+    # request's mask takes ~90 us, less than handing it to a thread while OpenMP keeps the
+    # cores busy (0.94x of unconstrained beside the forward, 0.99x before it); sixteen take
+    # ~0.8 ms (4,096 tokens) to ~10 ms (152k), worth hiding (0.96x against 0.82x). A GPU's
+    # host only waits for the device: always beside it, on llguidance's threads.
+    gpu = device.type != "cpu"
+    min_rows = 1 if gpu else 4
+    masks_why = ("the host waits on the device meanwhile" if gpu
+                 else "on the CPU a hand-off costs more than one or two requests' masks")
     return TargetPlan(device, model, sizes, why, kernels, sampler_why, caps.cpu_capability,
-                      overlap_grammar_masks=overlap, grammar_masks_reason=masks_why)
+                      grammar_overlap_min_rows=min_rows, grammar_masks_parallel=gpu,
+                      grammar_masks_reason=masks_why)
 
 
 def uses_draft_model(config: EngineConfig) -> bool:

@@ -145,18 +145,30 @@ def _one_line(text: str, limit: int = 400) -> str:
 
 class BitmaskBuilder:
     """The token bitmask of a step: (rows, ceil(V / 32)) int32, bit ``t % 32`` of word
-    ``t // 32`` set when token t is allowed, as llguidance lays it out."""
+    ``t // 32`` set when token t is allowed, as llguidance lays it out.
 
-    def __init__(self, vocab_size: int, num_threads: int = 1) -> None:
+    ``parallel``: on llguidance's own thread pool (one native call for the batch); else on
+    the calling thread, matcher by matcher. On a CPU whose cores the forward's OpenMP threads
+    keep spinning, a hand-off to another thread waits for a core: measured on 2 cores, about
+    140 us per step for one request against 6 us computed in place."""
+
+    def __init__(self, vocab_size: int, parallel: bool = False, num_threads: int = 1) -> None:
         self.vocab_size = vocab_size
         self.num_words = (vocab_size + 31) // 32
-        self.executor = llguidance.LLExecutor(num_threads)
+        self.executor = llguidance.LLExecutor(num_threads) if parallel else None
 
     def build(self, entries: Sequence[tuple[Matcher, Sequence[int]]]) -> np.ndarray:
         """One row per sampled position: for each (matcher, drafts), len(drafts) + 1 rows in
-        order (the current position, then after each draft)."""
+        order (the current position, then after each draft the grammar accepts; rows after
+        a refused draft keep every bit set). Each matcher ends where it started."""
         total = sum(len(d) + 1 for _, d in entries)
         bitmask = np.full((total, self.num_words), -1, dtype=np.int32)
+        if self.executor is None:
+            row = 0
+            for m, drafts in entries:
+                self._fill_in_place(m, drafts, bitmask, row)
+                row += len(drafts) + 1
+            return bitmask
         plain, drafted = [], []
         row = 0
         for m, drafts in entries:
@@ -170,3 +182,15 @@ class BitmaskBuilder:
         if drafted:  # llguidance refuses an empty draft list
             llg_numpy.fill_next_token_bitmask_par_with_draft_tokens(self.executor, drafted, bitmask)
         return bitmask
+
+    @staticmethod
+    def _fill_in_place(m: Matcher, drafts: Sequence[int], bitmask: np.ndarray, row: int) -> None:
+        llg_numpy.fill_next_token_bitmask(m, bitmask, row)
+        if not drafts:
+            return
+        valid = m.validate_tokens(list(drafts))  # the accepted prefix: consuming a refused one would break m
+        for i in range(valid):
+            m.consume_token(drafts[i])
+            llg_numpy.fill_next_token_bitmask(m, bitmask, row + i + 1)
+        if valid:
+            m.rollback(valid)
