@@ -102,3 +102,15 @@ def test_version_and_help_show_defaults_without_importing_torch():
     assert "TORCH False" in p.stdout, p.stdout[-300:]
     assert "--max-num-seqs MAX_NUM_SEQS" in p.stdout and "(default: 256)" in p.stdout
     assert "(default: inf)" in p.stdout  # bench --request-rate
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+    (["--chat-template", "/nonexistent/template.jinja"], "--chat-template /nonexistent/template.jinja: cannot read"),
+    (["--chat-template", "BAD"], "not a valid Jinja template"),
+])
+def test_tool_calling_flags_are_checked_before_loading(flags, message, capsys, tmp_path):
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}{{ m.content }}")  # no endfor
+    flags = [str(bad) if f == "BAD" else f for f in flags]
+    assert message in _one_line_error(run_in_process(capsys, "serve", *flags))

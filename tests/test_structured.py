@@ -307,3 +307,16 @@ def test_a_pending_bitmask_crosses_a_process_boundary_finished():
         copy = pickle.loads(pickle.dumps(gb))  # what the tensor-parallel executor sends its ranks
     assert isinstance(copy.pending, np.ndarray) and copy.array().tolist() == [[7] * 3] * 2
     assert copy.first_rows == {"r": 0}
+
+
+def test_a_preempted_constrained_request_resumes_its_grammar(engine_cache, builtin):
+    """KV for about a third of the batch: requests are preempted (recomputed) mid-output and
+    their matchers kept; greedy outputs equal those of an engine with room for all."""
+    small = engine_cache(kv_cache_memory_bytes=20 * 128 << 10, max_num_seqs=8, enable_prefix_caching=False)
+    long = {"type": "array", "minItems": 40, "maxItems": 40, "items": {"type": "string", "maxLength": 4}}
+    p = SamplingParams(max_tokens=100, temperature=0, structured_outputs=SO(json=long))
+    prompts = [f"def f{i}(x):" for i in range(8)]
+    before = small.engine.scheduler.num_preemptions
+    got = _texts(small, p, prompts)
+    assert small.engine.scheduler.num_preemptions > before
+    assert got == _texts(builtin, p, prompts)
