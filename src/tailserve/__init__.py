@@ -31,6 +31,7 @@ _LAZY = {
     "CompletionOutput": "tailserve.outputs",
     "RequestOutput": "tailserve.outputs",
     "SamplingParams": "tailserve.sampling_params",
+    "StructuredOutputsParams": "tailserve.sampling_params",
 }
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     from tailserve.engine.llm import LLM
     from tailserve.engine.llm_engine import LLMEngine
     from tailserve.outputs import CompletionOutput, RequestOutput
-    from tailserve.sampling_params import SamplingParams
+    from tailserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:
@@ -62,6 +63,7 @@ __all__ = [
     "LLMEngine",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "TailserveError",
     "UnsupportedArchitectureError",
     "__version__",
