@@ -107,9 +107,14 @@ class Server:
                                 f"{', '.join(repr(n) for n in self.model_names)}", "model",
                            code="model_not_found")
 
-    def _submit(self, rid: str, prompts: list, greq: GenerationRequest, arrival_ns: int):
+    async def _submit(self, rid: str, prompts: list, greq: GenerationRequest, arrival_ns: int):
+        def prepare() -> list:
+            return [self.engine.prepare_request(p, greq.params) for p in prompts]
+
         try:
-            prepared = [self.engine.prepare_request(p, greq.params) for p in prompts]
+            # A grammar's compilation can take a large schema hundreds of milliseconds: off the
+            # event loop (llguidance drops the GIL), so other requests keep streaming meanwhile.
+            prepared = await asyncio.to_thread(prepare) if greq.params.structured_outputs is not None else prepare()
         except InvalidRequestError as e:  # the context limit included: the Processor's one rule
             raise APIError(400, str(e), e.param, code=e.code) from None
         subs = []
@@ -164,7 +169,7 @@ class Server:
         self._check_auth(request)
         greq = completion_request(await self._read_json(request))
         self._check_model(greq.model)
-        subs = self._submit(rid, greq.prompts, greq, arrival)
+        subs = await self._submit(rid, greq.prompts, greq, arrival)
         if greq.stream:
             return StreamingResponse(self._stream(rid, subs, greq, chat=False), media_type="text/event-stream",
                                      headers=self._headers(rid))
@@ -213,7 +218,7 @@ class Server:
         tools = ToolMode(creq, self.tool_calling)
         with_structured_outputs(greq, tools.structured, tools.skip_special_tokens)
         prompt_ids = self.chat.render(creq.messages, creq.tools)
-        subs = self._submit(rid, [prompt_ids], greq, arrival)
+        subs = await self._submit(rid, [prompt_ids], greq, arrival)
         if greq.stream:
             return StreamingResponse(self._stream(rid, subs, greq, chat=True, tools=tools),
                                      media_type="text/event-stream", headers=self._headers(rid))
