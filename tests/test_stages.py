@@ -158,6 +158,21 @@ def test_hold_back_streams_only_what_cannot_start_a_stop_string():
     assert "".join(deltas) + out.delta_text == "abcdef"
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_the_stop_token_that_ended_a_request_is_in_its_ids_not_its_text(include):
+    op = OutputProcessor(TOK)  # type: ignore[arg-type]
+    params = SamplingParams(max_tokens=10, stop_token_ids=(ALPHABET.index("."),), include_stop_str_in_output=include)
+    op.add_request("r", None, [0], params, None)
+    co = EngineCoreOutput("r", ids("ok."), None, True, "stop", ALPHABET.index("."), stop_token=True)
+    (out,) = op.process([co], 0)[0]
+    assert out.outputs[0].token_ids == ids("ok.")
+    assert out.outputs[0].text == ("ok." if include else "ok") == out.outputs[0].delta_text
+    # A request the grammar completed ends on a real token: it is kept.
+    op.add_request("g", None, [0], SamplingParams(max_tokens=10), None)
+    (out,) = op.process([EngineCoreOutput("g", ids("ok."), None, True, "stop")], 0)[0]
+    assert out.outputs[0].text == "ok."
+
+
 def test_logprobs_are_kept_per_token_and_cut_with_the_stop():
     op = OutputProcessor(TOK)  # type: ignore[arg-type]
     op.add_request("r", None, [0], SamplingParams(stop=["c"], logprobs=1, max_tokens=8), None)

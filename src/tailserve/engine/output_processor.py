@@ -202,10 +202,14 @@ class OutputProcessor:
                 self.prometheus.observe_spec(co.num_draft_tokens, co.num_accepted_tokens)
         stop_hit: str | None = None
         kept = 0
+        # The EOS or stop token that ended the request stays in token_ids but not in the text
+        # (as vLLM's detokenizer does; with skip_special_tokens off it would print "</s>"),
+        # unless include_stop_str_in_output.
+        last_silent = len(co.new_token_ids) - 1 if co.stop_token and not st.params.include_stop_str_in_output else -1
         for j, tok in enumerate(co.new_token_ids):
             st.token_ids.append(tok)
             kept = j + 1
-            if st.detokenizer is None:
+            if st.detokenizer is None or j == last_silent:
                 continue
             piece = st.detokenizer.append(tok)
             if not piece:

@@ -69,6 +69,7 @@ class Request:
     # Constrained decoding: the matcher of the output so far (advanced only by accepted
     # tokens, never by drafts); dropped when the request finishes.
     grammar: Matcher | None = None
+    stopped_by_token: bool = False  # ended by EOS or a stop token id (its text is not output)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -110,6 +111,7 @@ class Request:
         if (not p.ignore_eos and token_id in self.eos_token_ids) or token_id in p.stop_token_ids:
             self.status = RequestStatus.FINISHED_STOPPED
             self.stop_reason = token_id if token_id in p.stop_token_ids else None
+            self.stopped_by_token = True
             return True
         g = self.grammar
         if g is not None:

@@ -402,6 +402,7 @@ class Scheduler:
             co = EngineCoreOutput(req.request_id, accepted, lps[: len(accepted)] if lps else None, finished,
                                   req.finish_reason, req.stop_reason, k, num_acc)
             co.prompt_logprobs = result.prompt_logprobs.get(req.request_id)
+            co.stop_token = finished and req.stopped_by_token
             if not req.reported_cached:
                 co.num_cached_tokens = req.num_cached_tokens
                 req.reported_cached = True

@@ -150,6 +150,7 @@ class EngineCoreOutput:
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    stop_token: bool = False  # the last new token is the EOS or stop token that ended it
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit, on the request's first output
