@@ -42,17 +42,16 @@ Matcher = llguidance.LLMatcher
 @dataclass(frozen=True)
 class CompiledGrammar:
     """A validated llguidance grammar, ready to start matchers from (one per request and
-    per sample)."""
+    per sample). It keeps a matcher at the start, never advanced: copying it costs ~2 us,
+    building one from the grammar ~1 ms (measured, 4,096 tokens), which the engine thread
+    would pay per request."""
 
     text: str
     kind: str  # json, json_object, regex, choice, grammar
-    tokenizer: llguidance.LLTokenizer = field(repr=False, compare=False)
+    prototype: Matcher = field(repr=False, compare=False)
 
     def start(self) -> Matcher:
-        m = Matcher(self.tokenizer, self.text, log_level=0)
-        if m.is_error():  # validated already: only a resource limit can get here
-            raise InvalidRequestError(f"grammar rejected: {_one_line(m.get_error())}", "structured_outputs")
-        return m
+        return self.prototype.deep_copy()
 
 
 class GrammarCompiler:
@@ -126,7 +125,11 @@ class GrammarCompiler:
             detail = messages[0] if messages else "rejected by the grammar compiler"
             raise InvalidRequestError(f"{spec.param}: invalid {_KIND_NAMES[spec.kind]}: {_one_line(detail)}",
                                       spec.param)
-        compiled = CompiledGrammar(text, spec.kind, tokenizer)
+        prototype = Matcher(tokenizer, text, log_level=0)
+        if prototype.is_error():  # validated already: only a resource limit can get here
+            raise InvalidRequestError(f"{spec.param}: grammar rejected: {_one_line(prototype.get_error())}",
+                                      spec.param)
+        compiled = CompiledGrammar(text, spec.kind, prototype)
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > self.CACHE_SIZE:
