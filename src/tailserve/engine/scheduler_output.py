@@ -150,12 +150,12 @@ class EngineCoreOutput:
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    stop_token: bool = False  # the last new token is the EOS or stop token that ended it
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit, on the request's first output
     prompt_logprobs: list[dict[int, float] | None] | None = None  # on the first output, when asked for
     events: list[tuple[str, int]] = field(default_factory=list)  # ("scheduled" | "preempted", ns)
+    stop_token: bool = False  # the last new token is the EOS or stop token that ended it
 
 
 # -- the arithmetic both sides of the seam must agree on ------------------------------------------
