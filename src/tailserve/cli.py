@@ -63,7 +63,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--speculative-model", default=None,
                    help="draft checkpoint folder, or 'builtin' for the built-in draft model")
-    s.add_argument("--speculative-method", default=None, choices=["draft_model", "ngram", "hybrid"],
+    s.add_argument("--speculative-method", default=None, choices=["draft_model", "ngram", "suffix", "hybrid"],
                    help="hybrid: n-gram lookup where it matches >= --ngram-min tokens, the draft model elsewhere")
     s.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="fixed number of draft tokens per step (default: adaptive)")
@@ -79,6 +79,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "adaptive k, 0 with --num-speculative-tokens)")
     s.add_argument("--ngram-min", type=int, default=1)
     s.add_argument("--ngram-max", type=int, default=4)
+    s.add_argument("--suffix-max-depth", type=int, default=24,
+                   help="suffix decoding: the longest context suffix matched")
+    s.add_argument("--suffix-max-spec-factor", type=float, default=1.0,
+                   help="suffix decoding: drafts at most this times the match length")
+    s.add_argument("--suffix-min-token-prob", type=float, default=0.1,
+                   help="suffix decoding: stop a draft once its cumulative empirical probability falls below this")
+    s.add_argument("--suffix-cache-max-requests", type=int, default=4096,
+                   help="suffix decoding: finished requests kept in the global cache (0: the request's own text only)")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
@@ -99,7 +107,9 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         speculative_draft_dtype=args.speculative_draft_dtype,
         speculative_draft_stop_margin=args.speculative_draft_stop_margin,
         speculative_draft_numpy=args.speculative_draft_numpy,
-        ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+        ngram_min=args.ngram_min, ngram_max=args.ngram_max, suffix_max_depth=args.suffix_max_depth,
+        suffix_max_spec_factor=args.suffix_max_spec_factor, suffix_min_token_prob=args.suffix_min_token_prob,
+        suffix_cache_max_requests=args.suffix_cache_max_requests,
     )
 
 

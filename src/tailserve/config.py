@@ -121,6 +121,13 @@ class EngineConfig:
     speculative_draft_stop_margin: float | None = None
     ngram_min: int = 1
     ngram_max: int = 4
+    # Suffix decoding (speculative_method "suffix", and hybrid's first source;
+    # speculative/suffix.py): the longest suffix matched, drafts at most factor x the match
+    # length, stop below this cumulative probability, finished requests kept in the global cache.
+    suffix_max_depth: int = 24
+    suffix_max_spec_factor: float = 1.0
+    suffix_min_token_prob: float = 0.1
+    suffix_cache_max_requests: int = 4096
     # PYTORCH_CUDA_ALLOC_CONF for this process (validated, applied before CUDA initialises;
     # see memory/allocator/control.py). Without kv_cache_memory_bytes, the KV cache takes what
     # gpu_memory_utilization (default 0.9) leaves after a profiling pass of the largest step.
@@ -187,8 +194,13 @@ class EngineConfig:
         method = self.speculative_method
         if method is None and self.speculative_model is not None:
             method = "draft_model"
-        if method not in (None, "draft_model", "ngram", "hybrid"):
-            raise ConfigError(f"speculative_method must be draft_model, ngram or hybrid, got {method!r}")
+        if method not in (None, "draft_model", "ngram", "suffix", "hybrid"):
+            raise ConfigError(f"speculative_method must be draft_model, ngram, suffix or hybrid, got {method!r}")
+        if not (isinstance(self.suffix_max_depth, int) and self.suffix_max_depth >= 1
+                and self.suffix_max_spec_factor > 0 and 0 <= self.suffix_min_token_prob <= 1
+                and isinstance(self.suffix_cache_max_requests, int) and self.suffix_cache_max_requests >= 0):
+            raise ConfigError("suffix decoding: suffix_max_depth >= 1, suffix_max_spec_factor > 0, "
+                              "suffix_min_token_prob in [0, 1], suffix_cache_max_requests >= 0")
         if method in ("draft_model", "hybrid") and not self.speculative_model:
             raise ConfigError(f"speculative_method {method} needs speculative_model (a folder or 'builtin')")
         object.__setattr__(self, "speculative_method", method)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from tailserve.config import EngineConfig
@@ -53,12 +54,15 @@ class LLM:
         internal fragmentation, prefix-hit rates, evictions, preemptions) and speculative
         decoding's (drafts, draft tokens, accepted tokens, acceptance rate)."""
         spec = self.engine.spec_stats
+        suffix = self.engine.scheduler.suffix_cache
         return {
             "kv_cache": self.engine.kv_figures().as_dict(),
             "speculative": {"num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
                             "num_accepted_tokens": spec.num_accepted_tokens,
                             "acceptance_rate": spec.num_accepted_tokens / spec.num_draft_tokens
-                            if spec.num_draft_tokens else None},
+                            if spec.num_draft_tokens else None,
+                            # suffix decoding's global cache (None without one, or before a request finished)
+                            "suffix_cache": dataclasses.asdict(suffix) if suffix is not None else None},
             "num_steps": self.engine.num_steps,
         }
 

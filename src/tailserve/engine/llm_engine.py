@@ -227,6 +227,8 @@ class LLMEngine:
         self.prometheus._c["running"].set(sched.num_running)
         self.prometheus._c["waiting"].set(sched.num_waiting if num_waiting is None else num_waiting)
         self.prometheus.observe_kv(self.kv_figures())
+        if sched.suffix_cache is not None:
+            self.prometheus.observe_suffix_cache(sched.suffix_cache.num_requests, sched.suffix_cache.nbytes)
         return self.prometheus.exposition()
 
     # -- the step ------------------------------------------------------------------------

@@ -88,6 +88,7 @@ class ModelRunner:
         # Captured decodes by batch-size bucket (capture_decode_graphs); empty = always eager.
         self.decode_graphs: dict[int, DecodeGraph] = {}
         self.graph_replays = 0  # steps served by a replay (tests and the start-up log read it)
+        self._cache_changed = False  # a finished request reached the proposer since the last report
 
     def generator_for(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
         """A seeded request's own generator (kept across preemptions, dropped when it finishes)."""
@@ -133,9 +134,13 @@ class ModelRunner:
 
     def free(self, finished_ids: list[str]) -> None:
         """Drop finished requests' state (a step with nothing scheduled still reports them)."""
+        proposer = self.proposer
         for rid in finished_ids:
-            self.requests.pop(rid, None)
+            st = self.requests.pop(rid, None)
             self._generators.pop(rid, None)
+            if st is not None and proposer is not None:
+                proposer.observe_finished(st.token_ids, st.num_prompt_tokens)  # suffix decoding's global cache
+                self._cache_changed = True
 
     # -- warm-up -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -257,6 +262,9 @@ class ModelRunner:
             for st, toks in zip(sampled, emitted):
                 out.sampled_token_ids[st.request_id] = toks
         out.target_forward_s = time.perf_counter() - t0
+        if self._cache_changed and self.proposer is not None:
+            out.suffix_cache = self.proposer.cache_figures()
+            self._cache_changed = False
         self._advance(sched, out)
         if self.proposer is not None:
             try:

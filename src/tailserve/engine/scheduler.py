@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import Counter, deque
+from typing import TYPE_CHECKING
 
 from tailserve.config import SchedulerConfig
 from tailserve.engine.request import Request, RequestStatus
@@ -54,6 +55,9 @@ from tailserve.memory.kv_figures import KVCacheFigures
 from tailserve.speculative.adaptive import AdaptiveSpeculation
 from tailserve.speculative.stats import SpecDecodeStats
 
+if TYPE_CHECKING:
+    from tailserve.speculative.suffix import SuffixCacheFigures
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool,
@@ -67,6 +71,7 @@ class Scheduler:
         self._finished_since_step: list[str] = []
         self._preempted_since_step: list[str] = []
         self.num_preemptions = 0
+        self.suffix_cache: SuffixCacheFigures | None = None  # the worker's last report (suffix decoding)
         # Fork groups: copies owed to the worker (source, destination); each source block is
         # referenced until the copy is sent, so it cannot be reused before it is read.
         self._pending_copies: list[tuple[int, int]] = []
@@ -418,6 +423,8 @@ class Scheduler:
             if drafts:
                 req.spec_token_ids = drafts[: max(req.room_for_drafts, 0)]
             req.spec_cap = result.draft_caps.get(req.request_id, 0)
+        if result.suffix_cache is not None:
+            self.suffix_cache = result.suffix_cache
         if spec is not None and result.draft_step_s is not None and result.num_drafting:
             spec.draft_cost.observe(result.num_drafting, result.draft_step_s)
         return outputs

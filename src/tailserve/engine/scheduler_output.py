@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from tailserve.memory.allocator.control import AllocatorSettings
     from tailserve.memory.kv_sizing import MemoryProfile
     from tailserve.model.config import ModelArchConfig
+    from tailserve.speculative.suffix import SuffixCacheFigures
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,7 @@ class ModelRunnerOutput:
     propose_s: float = 0.0
     draft_step_s: float | None = None
     num_drafting: int = 0
+    suffix_cache: SuffixCacheFigures | None = None  # suffix decoding's global cache, when it changed
 
 
 @dataclass

@@ -44,6 +44,7 @@ from tailserve.model.loader import load_model
 from tailserve.sample.sampler import Sampler
 from tailserve.speculative.draft_step import make_draft_step
 from tailserve.speculative.proposer import DraftModelProposer, HybridProposer, NgramProposer, Proposer
+from tailserve.speculative.suffix import SuffixConfig, SuffixProposer
 
 
 def _layer_ops(plan: ModelPlan, kernels) -> LayerOps:
@@ -226,7 +227,9 @@ class Worker:
     def _build_proposer(self, sampler: Sampler, kernels) -> Proposer | None:
         config, plan = self.config, self.draft_plan
         if plan is None:
-            return NgramProposer(config.ngram_min, config.ngram_max) if config.speculative_method == "ngram" else None
+            if config.speculative_method == "ngram":
+                return NgramProposer(config.ngram_min, config.ngram_max)
+            return SuffixProposer(_suffix_config(config)) if config.speculative_method == "suffix" else None
         mp = plan.model
         draft_model, _ = load_model(plan.model_dir, plan.dtype, self.device, max_positions=self.max_model_len)
         draft_model.set_layer_ops(_layer_ops(mp, kernels))
@@ -251,7 +254,9 @@ class Worker:
             scratch_slot=self.num_blocks * config.block_size, sampling_kernels=sampler.kernels,
             batched_single_rows=plan.chain_step == "batched")
         if config.speculative_method == "hybrid":
-            proposer = HybridProposer(proposer, NgramProposer(config.ngram_min, config.ngram_max),
+            # Lookups first, cheapest and longest first: suffix, then n-gram, else the model.
+            proposer = HybridProposer(proposer, [SuffixProposer(_suffix_config(config)),
+                                                 NgramProposer(config.ngram_min, config.ngram_max)],
                                       self.arch.vocab_size)
         return proposer
 
@@ -281,3 +286,8 @@ class Worker:
 
     def shutdown(self) -> None:
         """Release what outlives the object (one process: nothing)."""
+
+
+def _suffix_config(config: EngineConfig) -> SuffixConfig:
+    return SuffixConfig(config.suffix_max_depth, config.suffix_max_spec_factor, config.suffix_min_token_prob,
+                        config.suffix_cache_max_requests)

@@ -159,6 +159,11 @@ class PrometheusMetrics:
                                            "Admissions that found at least one cached block.", lab, registry=r)
         self.prefix_evictions = Counter("tailserve:prefix_cache_evictions",
                                         "Cached KV blocks evicted to be reused.", lab, registry=r)
+        self.suffix_requests = Gauge("tailserve:suffix_cache_requests",
+                                     "Finished requests in suffix decoding's global cache.", lab, registry=r)
+        self.suffix_bytes = Gauge("tailserve:suffix_cache_bytes",
+                                  "Bytes of suffix decoding's global cache (tokens and occurrence lists).", lab,
+                                  registry=r)
         self.spec_drafts = Counter("tailserve:spec_decode_num_drafts", "Verification rounds with drafts.", lab,
                                    registry=r)
         self.spec_draft_tokens = Counter("tailserve:spec_decode_num_draft_tokens", "Draft tokens proposed.", lab,
@@ -192,7 +197,8 @@ class PrometheusMetrics:
             "prefix_queries", "prefix_hits", "generation_tokens", "prompt_tokens", "prompt_len", "gen_len", "ttft",
             "e2el", "queue", "prefill", "decode", "inference", "tpot", "itl", "spec_drafts", "spec_draft_tokens",
             "spec_accepted", "kv_blocks_cached", "kv_internal_frag", "prefix_request_queries", "prefix_request_hits",
-            "prefix_evictions", "kv_blocks_shared", "kv_blocks_saved", "accepted")}
+            "prefix_evictions", "kv_blocks_shared", "kv_blocks_saved", "accepted", "suffix_requests",
+            "suffix_bytes")}
         self._last_queries = 0
         self._last_hits = 0
         self._last_kv_counts = (0, 0, 0)
@@ -229,6 +235,10 @@ class PrometheusMetrics:
             if now > before:
                 c[name].inc(now - before)
         self._last_kv_counts = counts
+
+    def observe_suffix_cache(self, num_requests: int, nbytes: int) -> None:
+        self._c["suffix_requests"].set(num_requests)
+        self._c["suffix_bytes"].set(nbytes)
 
     def observe_allocator(self, figures: dict[str, float | int]) -> None:
         """An allocator monitor's sample (``AllocatorMonitor.figures()``)."""

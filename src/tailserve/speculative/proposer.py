@@ -9,7 +9,7 @@ drafts to make (``k``, 0 = catch up only).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -22,6 +22,9 @@ from tailserve.sample.sampler import SamplingTensors, fast_argmax, filtered_prob
 from tailserve.sampling_params import SamplingParams
 from tailserve.speculative.draft_step import DraftStep, NumpyStepAdapter, TorchDraftStep
 from tailserve.speculative.numpy_draft import NumpyDraftStep
+
+if TYPE_CHECKING:
+    from tailserve.speculative.suffix import SuffixCacheFigures
 
 
 @dataclass
@@ -58,6 +61,12 @@ class Proposer(Protocol):
 
     def propose(self, inputs: list[ProposalInput]) -> Proposal: ...
 
+    def observe_finished(self, token_ids: list[int], num_prompt_tokens: int) -> None:
+        """A request finished with these tokens (suffix decoding caches them; others ignore it)."""
+
+    def cache_figures(self) -> SuffixCacheFigures | None:
+        """Suffix decoding's global cache (None: this proposer keeps none)."""
+
 
 class NgramProposer:
     """Prompt lookup: find the most recent earlier occurrence of the context's last n tokens
@@ -92,6 +101,12 @@ class NgramProposer:
         drafts = {i.request_id: self.propose_one(i.all_token_ids[: i.num_valid], i.k) for i in inputs}
         return Proposal(drafts, None, {i.request_id: i.num_valid for i in inputs},
                         num_forwards=max((i.k for i in inputs), default=0) or None)
+
+    def observe_finished(self, token_ids: list[int], num_prompt_tokens: int) -> None:
+        return None
+
+    def cache_figures(self) -> SuffixCacheFigures | None:
+        return None
 
 
 # The chain's fast metadata also serves catch-ups of up to this many tokens per row.
@@ -167,6 +182,12 @@ class DraftModelProposer:
         return self.single_step.num_forwards if isinstance(self.single_step, NumpyStepAdapter) else 0
 
     @torch.inference_mode()
+    def observe_finished(self, token_ids: list[int], num_prompt_tokens: int) -> None:
+        return None
+
+    def cache_figures(self) -> SuffixCacheFigures | None:
+        return None
+
     def propose(self, inputs: list[ProposalInput]) -> Proposal:
         seen = {i.request_id: i.num_seen for i in inputs}
         drafts: dict[str, list[int]] = {i.request_id: [] for i in inputs}
@@ -360,21 +381,23 @@ class DraftModelProposer:
 
 
 class HybridProposer:
-    """Prompt lookup first, the draft model where lookup finds nothing.
+    """Lookups first (suffix decoding, then n-gram prompt lookup), the draft model where
+    they find nothing.
 
-    For each drafting request, an n-gram match of at least ``ngram_min`` tokens supplies
-    the drafts (free, and long runs in repetitive text such as code); the other requests
-    draft with the model. A request drafted by lookup skips the draft model this round:
-    the model catches up on its tokens lazily, in one multi-token forward, the next time it
-    drafts for it. Lookup drafts go to the rejection sampler with a one-hot q, so sampling
-    stays exact in a batch that mixes both kinds.
+    For each drafting request, the first lookup with a match supplies the drafts (free, and
+    long runs in repetitive text such as code); the other requests draft with the model. A
+    request drafted by lookup skips the draft model this round: the model catches up on its
+    tokens lazily, in one multi-token forward, the next time it drafts for it. Lookup drafts
+    go to the rejection sampler with a one-hot q, so sampling stays exact in a batch that
+    mixes both kinds.
     """
 
     uses_draft_kv = True
     needs_draft_probs = True
 
-    def __init__(self, draft: DraftModelProposer, ngram: NgramProposer, vocab_size: int) -> None:
-        self.draft, self.ngram, self.vocab_size = draft, ngram, vocab_size
+    def __init__(self, draft: DraftModelProposer, lookups: list, vocab_size: int) -> None:
+        """``lookups``: proposers with ``propose_one(tokens, k)``, tried in order."""
+        self.draft, self.lookups, self.vocab_size = draft, lookups, vocab_size
         self.num_lookup_drafts = 0  # rounds drafted by lookup (for benchmarks and tests)
         self.num_model_drafts = 0  # rounds drafted by the model
 
@@ -383,7 +406,8 @@ class HybridProposer:
         rest = []
         for i in inputs:
             if i.k > 0:
-                d = self.ngram.propose_one(i.all_token_ids[: i.num_valid], i.k)
+                tokens = i.all_token_ids[: i.num_valid]
+                d = next((d for d in (lk.propose_one(tokens, i.k) for lk in self.lookups) if d), None)
                 if d:
                     looked_up[i.request_id] = d
                     continue
@@ -406,3 +430,10 @@ class HybridProposer:
                 q[torch.arange(len(d)), torch.tensor(d)] = 1.0
                 probs[i.request_id] = q
         return Proposal(proposal.draft_ids, probs, proposal.num_seen, proposal.num_forwards)
+
+    def observe_finished(self, token_ids: list[int], num_prompt_tokens: int) -> None:
+        for lk in self.lookups:
+            lk.observe_finished(token_ids, num_prompt_tokens)
+
+    def cache_figures(self) -> SuffixCacheFigures | None:
+        return next((f for f in (lk.cache_figures() for lk in self.lookups) if f is not None), None)

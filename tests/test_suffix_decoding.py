@@ -1,0 +1,156 @@
+"""Suffix decoding: the cache and the draft rule alone, then the engine (greedy identical to
+plain decoding on held-out stdlib prompts, drafts from finished requests, hybrid's first
+source, its figures) and the exact sampled distribution."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tailserve.sampling_params import SamplingParams
+from tailserve.speculative.suffix import SuffixCache, SuffixConfig, SuffixProposer
+
+
+def _cache_draft(cache: SuffixCache, context: list[int], k: int = 8) -> list[int]:
+    return cache.draft(np.asarray(context[-cache.cfg.max_depth:], dtype=np.int64), k)[0]
+
+
+# -- the rule, alone ------------------------------------------------------------------------------
+def test_a_request_repeating_its_own_text_drafts_what_followed_and_one_that_does_not_drafts_nothing():
+    p = SuffixProposer(SuffixConfig(max_spec_factor=4.0))
+    text = [5, 6, 7, 8, 9, 10, 11]
+    # A match of 3 allows 12 drafts; the continuation runs up to the context's own end.
+    assert p.propose_one([*text, 5, 6, 7], k=8) == [8, 9, 10, 11, 5, 6, 7]
+    assert p.propose_one([1, 2, 3, 4], k=8) == []
+
+
+def test_the_draft_is_at_most_the_spec_factor_times_the_match():
+    p = SuffixProposer(SuffixConfig(max_spec_factor=1.0))
+    # Only the last token (9) matches earlier text: a one-token match earns one draft.
+    assert p.propose_one([9, 1, 2, 3, 4, 5, 7, 9], k=8) == [1]
+    # A three-token match earns three.
+    assert p.propose_one([7, 8, 9, 1, 2, 3, 4, 5, 7, 8, 9], k=8) == [1, 2, 3]
+
+
+def test_drafts_stop_below_the_minimum_empirical_probability():
+    cache = SuffixCache(SuffixConfig(min_token_prob=0.6, max_spec_factor=8.0))
+    for cont in ([1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 5, 6]):
+        cache.add([9, 9, *cont])
+    # After 9 9: 1 (3/3), 2 (3/3), then 3 (2/3 = 0.67 >= 0.6), then 4 (1 x 0.67 = 0.67), ...
+    assert _cache_draft(cache, [0, 9, 9]) == [1, 2, 3, 4]
+    strict = SuffixCache(SuffixConfig(min_token_prob=0.7, max_spec_factor=8.0))
+    for cont in ([1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 5, 6]):
+        strict.add([9, 9, *cont])
+    assert _cache_draft(strict, [0, 9, 9]) == [1, 2]  # 3 is only 2/3 likely after 9 9 1 2
+
+
+def test_a_match_never_runs_across_two_cached_requests():
+    cache = SuffixCache(SuffixConfig(max_spec_factor=8.0))
+    cache.add([1, 2, 3])
+    cache.add([4, 5, 6])
+    assert _cache_draft(cache, [0, 2, 3]) == []  # 3 ends its request: nothing followed it
+    assert _cache_draft(cache, [0, 4]) == [5, 6]
+
+
+def test_the_global_cache_is_bounded_and_forgets_the_oldest():
+    cache = SuffixCache(SuffixConfig(max_requests=10, max_spec_factor=8.0))
+    for i in range(200):
+        cache.add([1000 + i, 1, 2, 3])
+    assert cache.num_requests == 10 and cache.num_tokens == 10 * 4
+    assert cache.nbytes <= 4 * 2 * (2 * 10 * 5)  # compacted: at most about twice what it holds
+    assert _cache_draft(cache, [1000 + 5]) == []  # evicted long ago
+    assert _cache_draft(cache, [1000 + 199]) == [1, 2, 3]
+
+
+def test_finished_requests_feed_the_global_cache_with_their_prompt_tail():
+    p = SuffixProposer(SuffixConfig(max_spec_factor=8.0))
+    prompt = list(range(100, 200))  # 100 tokens: the last 64 are kept
+    p.observe_finished([*prompt, 7, 8, 9, 10], len(prompt))
+    assert p.cache.num_tokens == 64 + 4
+    assert p.propose_one([1, 2, 196, 197, 198, 199], k=8) == [7, 8, 9, 10]
+    assert p.num_global_drafts == 1
+
+
+# -- the engine -----------------------------------------------------------------------------------
+def _held_out_prompts(n: int = 6) -> list[str]:
+    import pathlib
+    import sysconfig
+
+    from tailserve.assets import DEFAULT_TARGET_DIR
+
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    names = (DEFAULT_TARGET_DIR / "held_out_files.txt").read_text().split()
+    files = [root / n for n in names if (root / n).is_file()][:n]
+    return [f.read_text(encoding="utf-8")[:200] for f in files]
+
+
+@pytest.fixture(scope="module")
+def suffix_llm(engine_cache):
+    return engine_cache(speculative_method="suffix")
+
+
+def test_greedy_suffix_decoding_is_plain_decoding_and_repeats_draft_from_the_cache(engine_cache, suffix_llm):
+    prompts = _held_out_prompts()
+    p = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in engine_cache().generate(prompts, p)]
+    assert [o.outputs[0].token_ids for o in suffix_llm.generate(prompts, p)] == plain
+    proposer = suffix_llm.engine.core.worker.local.proposer
+    before = proposer.num_global_drafts
+    accepted = suffix_llm.engine.spec_stats.num_accepted_tokens
+    # The same requests again: their earlier outputs are in the global cache.
+    assert [o.outputs[0].token_ids for o in suffix_llm.generate(prompts, p)] == plain
+    assert proposer.num_global_drafts > before
+    assert suffix_llm.engine.spec_stats.num_accepted_tokens - accepted > 0.5 * 6 * 64  # most tokens drafted
+    stats = suffix_llm.stats()["speculative"]["suffix_cache"]
+    assert stats["num_requests"] >= 6 and stats["nbytes"] > 0 and stats["max_requests"] == 4096
+    assert "tailserve:suffix_cache_bytes" in suffix_llm.engine.metrics_exposition().decode()
+
+
+def test_hybrid_tries_suffix_first(engine_cache):
+    llm = engine_cache(speculative_model="builtin", speculative_method="hybrid")
+    prompts = _held_out_prompts(3)
+    p = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in engine_cache().generate(prompts, p)]
+    for _ in range(2):
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, p)] == plain
+    suffix = llm.engine.core.worker.local.proposer.lookups[0]
+    assert isinstance(suffix, SuffixProposer) and suffix.num_global_drafts > 0
+
+
+@pytest.mark.slow
+def test_sampled_tokens_under_suffix_decoding_follow_the_target(tmp_path):
+    """Temperature 1: the first three tokens follow the target's exact distribution while
+    the global cache (the earlier samples' outputs) drafts them."""
+    from tailserve import LLM
+    from tailserve.sample.sampler import SamplingTensors, filtered_probs
+    from test_rejection_sampler import chi2_pvalue
+    from test_speculative import _tiny_vocab_model
+
+    target_path, target = _tiny_vocab_model(tmp_path, "target", seed=0)
+    prompt = [3, 1, 4]
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+    st = SamplingTensors.from_params([params], 8, torch.device("cpu"))
+
+    def probs(prefix):
+        with torch.inference_mode():
+            logits = target(torch.tensor([prompt + prefix])).logits[0, -1:].float()
+        return filtered_probs(logits, st)[0].double()
+
+    p0 = probs([])
+    exact = torch.zeros(8, 8, 8, dtype=torch.float64)
+    for a in range(8):
+        p1 = probs([a])
+        for b in range(8):
+            exact[a, b] = p0[a] * p1[b] * probs([a, b])
+    llm = LLM(str(target_path), dtype="float32", kv_cache_memory_bytes=64 << 20, max_num_seqs=512,
+              max_num_batched_tokens=4096, speculative_method="suffix", num_speculative_tokens=2, seed=5,
+              enable_prefix_caching=False, suffix_min_token_prob=0.0, suffix_max_spec_factor=4.0)
+    counts = torch.zeros(512, dtype=torch.float64)
+    for _ in range(6):
+        for out in llm.generate([prompt] * 2000, params):
+            a, b, c = out.token_ids[:3]
+            counts[a * 64 + b * 8 + c] += 1
+    spec = llm.engine.spec_stats
+    assert spec.num_draft_tokens > 1000 and 0 < spec.acceptance_rate < 1
+    assert chi2_pvalue(counts, exact.reshape(-1)) > 1e-3
