@@ -97,8 +97,11 @@ class NgramProposer:
                     return cont
         return []
 
+    def propose_input(self, inp: ProposalInput) -> list[int]:
+        return self.propose_one(inp.all_token_ids[: inp.num_valid], inp.k)
+
     def propose(self, inputs: list[ProposalInput]) -> Proposal:
-        drafts = {i.request_id: self.propose_one(i.all_token_ids[: i.num_valid], i.k) for i in inputs}
+        drafts = {i.request_id: self.propose_input(i) for i in inputs}
         return Proposal(drafts, None, {i.request_id: i.num_valid for i in inputs},
                         num_forwards=max((i.k for i in inputs), default=0) or None)
 
@@ -396,7 +399,7 @@ class HybridProposer:
     needs_draft_probs = True
 
     def __init__(self, draft: DraftModelProposer, lookups: list, vocab_size: int) -> None:
-        """``lookups``: proposers with ``propose_one(tokens, k)``, tried in order."""
+        """``lookups``: proposers with ``propose_input(ProposalInput) -> drafts``, tried in order."""
         self.draft, self.lookups, self.vocab_size = draft, lookups, vocab_size
         self.num_lookup_drafts = 0  # rounds drafted by lookup (for benchmarks and tests)
         self.num_model_drafts = 0  # rounds drafted by the model
@@ -406,8 +409,7 @@ class HybridProposer:
         rest = []
         for i in inputs:
             if i.k > 0:
-                tokens = i.all_token_ids[: i.num_valid]
-                d = next((d for d in (lk.propose_one(tokens, i.k) for lk in self.lookups) if d), None)
+                d = next((d for d in (lk.propose_input(i) for lk in self.lookups) if d), None)
                 if d:
                     looked_up[i.request_id] = d
                     continue
