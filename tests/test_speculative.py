@@ -425,3 +425,22 @@ def test_a_ragged_catch_up_leaves_the_cached_values_it_repeats(llama_checkpoint,
     assert not torch.equal(prop.kv_caches[-1][:, 1, 4], before[-1][:, 1, 4])
     alone = prop._forward([seqs[0][-1:]], [len(seqs[0]) - 1], tables[:1], [True])
     torch.testing.assert_close(logits[:1], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_synthetic_acceptance_is_refused_outside_benchmarks_and_labelled(monkeypatch, llama_checkpoint):
+    from tailserve.config import EngineConfig
+    from tailserve.errors import ConfigError
+
+    monkeypatch.delenv("TAILSERVE_BENCHMARK", raising=False)
+    with pytest.raises(ConfigError, match="benchmarks only"):
+        EngineConfig(model="builtin", speculative_method="ngram", speculative_synthetic_acceptance=0.5)
+    monkeypatch.setenv("TAILSERVE_BENCHMARK", "1")
+    path, _ = llama_checkpoint
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=4 << 20, speculative_model=str(path),
+              num_speculative_tokens=4, speculative_synthetic_acceptance=0.5, seed=0)
+    llm.generate([[5, 6, 7]] * 8, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
+    stats = llm.stats()["speculative"]
+    # Accepted per round: 0.5 + 0.25 + 0.125 + 0.0625 of 4 drafts = 0.23, whatever the target says
+    # (the draft is the target itself here: real acceptance would be 1).
+    assert stats["synthetic_acceptance"] == 0.5 and abs(stats["acceptance_rate"] - 0.234) < 0.06
+    assert llm.engine.health()["synthetic_acceptance"] == 0.5

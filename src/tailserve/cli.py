@@ -79,6 +79,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "adaptive k, 0 with --num-speculative-tokens)")
     s.add_argument("--ngram-min", type=int, default=1)
     s.add_argument("--ngram-max", type=int, default=4)
+    s.add_argument("--speculative-synthetic-acceptance", type=float, default=None, metavar="A",
+                   help="benchmarks only, LOSSY: accept each draft with probability A whatever the target says "
+                        "(needs TAILSERVE_BENCHMARK=1)")
     s.add_argument("--suffix-max-depth", type=int, default=24,
                    help="suffix decoding: the longest context suffix matched")
     s.add_argument("--suffix-max-spec-factor", type=float, default=1.0,
@@ -110,6 +113,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         ngram_min=args.ngram_min, ngram_max=args.ngram_max, suffix_max_depth=args.suffix_max_depth,
         suffix_max_spec_factor=args.suffix_max_spec_factor, suffix_min_token_prob=args.suffix_min_token_prob,
         suffix_cache_max_requests=args.suffix_cache_max_requests,
+        speculative_synthetic_acceptance=args.speculative_synthetic_acceptance,
     )
 
 

@@ -6,6 +6,7 @@ max_num_batched_tokens, enable_prefix_caching, max_model_len).
 
 from __future__ import annotations
 
+import os
 import pathlib
 from dataclasses import dataclass
 
@@ -128,6 +129,10 @@ class EngineConfig:
     suffix_max_spec_factor: float = 1.0
     suffix_min_token_prob: float = 0.1
     suffix_cache_max_requests: int = 4096
+    # LOSSY benchmark mode (vLLM's synthetic acceptance): every draft is accepted with this
+    # probability whatever the target says, so speed can be measured for any acceptance rate.
+    # Refused unless TAILSERVE_BENCHMARK=1 is set; never a request field.
+    speculative_synthetic_acceptance: float | None = None
     # PYTORCH_CUDA_ALLOC_CONF for this process (validated, applied before CUDA initialises;
     # see memory/allocator/control.py). Without kv_cache_memory_bytes, the KV cache takes what
     # gpu_memory_utilization (default 0.9) leaves after a profiling pass of the largest step.
@@ -204,6 +209,15 @@ class EngineConfig:
         if method in ("draft_model", "hybrid") and not self.speculative_model:
             raise ConfigError(f"speculative_method {method} needs speculative_model (a folder or 'builtin')")
         object.__setattr__(self, "speculative_method", method)
+        a = self.speculative_synthetic_acceptance
+        if a is not None:
+            if os.environ.get("TAILSERVE_BENCHMARK") != "1":
+                raise ConfigError("speculative_synthetic_acceptance makes outputs wrong on purpose (drafts accepted "
+                                  "at random): it is for benchmarks only; set TAILSERVE_BENCHMARK=1 to allow it")
+            if isinstance(a, bool) or not isinstance(a, int | float) or not 0.0 <= a <= 1.0:
+                raise ConfigError(f"speculative_synthetic_acceptance must be in [0, 1], got {a!r}")
+            if method is None:
+                raise ConfigError("speculative_synthetic_acceptance needs a speculative method")
         k = self.num_speculative_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16):
             raise ConfigError(f"num_speculative_tokens must be an integer in [1, 16], got {k!r}")

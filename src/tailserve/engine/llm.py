@@ -62,7 +62,9 @@ class LLM:
                             "acceptance_rate": spec.num_accepted_tokens / spec.num_draft_tokens
                             if spec.num_draft_tokens else None,
                             # suffix decoding's global cache (None without one, or before a request finished)
-                            "suffix_cache": dataclasses.asdict(suffix) if suffix is not None else None},
+                            "suffix_cache": dataclasses.asdict(suffix) if suffix is not None else None,
+                            # LOSSY benchmark mode, when on (the outputs are not the target's)
+                            "synthetic_acceptance": self.engine.config.speculative_synthetic_acceptance},
             "num_steps": self.engine.num_steps,
         }
 

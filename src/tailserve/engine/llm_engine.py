@@ -10,6 +10,7 @@ blocks. The server's async engine and the offline ``LLM`` both drive this loop.
 from __future__ import annotations
 
 import itertools
+import logging
 import pathlib
 import time
 from collections.abc import Callable
@@ -68,6 +69,10 @@ class LLMEngine:
             a = self.allocator_settings
             self.prometheus.alloc_conf_info.labels(self.model_name, a.text or "default", a.source).set(1)
         self._ids = itertools.count()
+        if config.speculative_synthetic_acceptance is not None:
+            logging.getLogger("tailserve.engine").warning(
+                "synthetic acceptance %.2f: drafts accepted at random, outputs are NOT the model's (benchmarks only)",
+                config.speculative_synthetic_acceptance)
         self.warmup_s: float | None = None
         if config.warmup:
             self.warmup_s = self.warm_up()
@@ -113,6 +118,8 @@ class LLMEngine:
         """``{"status": "ok" | "degraded", ...}``: degraded while the allocator monitor alerts."""
         out: dict[str, object] = {"status": "ok", "cuda_allocator": self.allocator_settings.as_dict(),
                                   "plan": self.info.plan.describe()}
+        if self.config.speculative_synthetic_acceptance is not None:
+            out["synthetic_acceptance"] = self.config.speculative_synthetic_acceptance  # LOSSY: say so
         if self.allocator_monitor is not None:
             out.update(self.allocator_monitor.health())
             out["cuda_memory"] = self.allocator_monitor.figures()

@@ -35,7 +35,7 @@ from tailserve.model.config import ModelArchConfig
 from tailserve.model.llama import LlamaFamilyModel
 from tailserve.sample.bitmask import apply_token_bitmask
 from tailserve.sample.logits_processors import apply_logits_processors
-from tailserve.sample.rejection import RejectionSampler, greedy_rows
+from tailserve.sample.rejection import RejectionSampler, greedy_rows, synthetic_rows
 from tailserve.sample.sampler import Sampler, SamplingTensors, fast_argmax
 from tailserve.sampling_params import SamplingParams
 from tailserve.speculative.proposer import ProposalInput, Proposer
@@ -65,7 +65,7 @@ class ModelRunner:
     def __init__(self, model: LlamaFamilyModel, arch: ModelArchConfig, kv_caches: list[torch.Tensor],
                  block_size: int, device: torch.device, seed: int = 0, max_model_len: int | None = None,
                  proposer: Proposer | None = None, attn_backend: AttentionBackend | None = None,
-                 sampler: Sampler | None = None) -> None:
+                 sampler: Sampler | None = None, synthetic_acceptance: float | None = None) -> None:
         self.model = model
         self.arch = arch
         self.kv_caches = kv_caches
@@ -78,6 +78,8 @@ class ModelRunner:
         # by the worker when there is a proposer; a runner of its own otherwise.
         self.sampler = sampler or Sampler(arch.vocab_size, device, seed)
         self.rejection_sampler = RejectionSampler(self.sampler.generator)
+        # Benchmarks only (LOSSY): drafts accepted with this probability whatever the target says.
+        self.synthetic_acceptance = synthetic_acceptance
         self.proposer = proposer
         # What the proposer needs, declared by it once: a draft model's K/V kept in step with
         # the accepted tokens, and its q for the rejection sampler.
@@ -308,7 +310,16 @@ class ModelRunner:
                 gens = [self.generator_for(st.request_id, st.params) for st in sampled]
                 tokens = self.sampler.sample(logits, st_t, gens)
             return [[t] for t in tokens.tolist()], [[i] for i in range(len(sampled))]
-        if all(p.greedy for p in plist):
+        if self.synthetic_acceptance is not None:
+            if all(p.greedy for p in plist):
+                target = fast_argmax(logits).tolist()
+            else:
+                counts = [k + 1 for k in num_drafts]
+                st_t = SamplingTensors.from_params(plist, self.arch.vocab_size, self.device,
+                                                   self.sampler.kernels).repeat_rows(counts)
+                target = self.sampler.sample(logits, st_t, [None] * len(st_t.greedy)).tolist()
+            emitted = synthetic_rows(target, num_drafts, drafts, self.synthetic_acceptance, self.sampler.generator)
+        elif all(p.greedy for p in plist):
             # Acceptance by argmax equality needs no sampling tensors and no draft q.
             emitted = greedy_rows(logits, num_drafts, drafts)
         else:

@@ -140,3 +140,22 @@ def greedy_rows(target_logits: torch.Tensor, num_drafts: list[int], draft_ids: l
         out.append([*drafts[:m], argmax[row + m]])
         row += k + 1
     return out
+
+
+def synthetic_rows(target_tokens: list[int], num_drafts: list[int], draft_ids: list[list[int]], acceptance: float,
+                   generator: torch.Generator | None) -> list[list[int]]:
+    """LOSSY, for benchmarks only (``speculative_synthetic_acceptance``, as vLLM's synthetic
+    mode): each draft is accepted with probability ``acceptance`` whatever the target says,
+    so the system's speed for any acceptance rate can be measured on any target/draft pair.
+    ``target_tokens``: the target's own token at every verified row; the first rejected
+    position (or the bonus) takes it."""
+    u = torch.rand((max(sum(num_drafts), 1),), generator=generator, dtype=torch.float64).tolist()
+    out, row, draw = [], 0, 0
+    for k, drafts in zip(num_drafts, draft_ids):
+        m = 0
+        while m < k and u[draw + m] < acceptance:
+            m += 1
+        out.append([*drafts[:m], target_tokens[row + m]])
+        row += k + 1
+        draw += k
+    return out

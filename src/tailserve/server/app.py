@@ -247,6 +247,8 @@ class Server:
                           "total_tokens": prompt_tokens + completion_tokens,
                           "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}},
                 "timing": timing_dict(slowest)}
+        if self.engine.config.speculative_synthetic_acceptance is not None:  # LOSSY benchmark mode: labelled
+            body["synthetic_acceptance"] = self.engine.config.speculative_synthetic_acceptance
         return JSONResponse(body, headers=self._headers(rid, slowest))
 
     async def _stream(self, rid: str, subs, greq: GenerationRequest, chat: bool,
@@ -327,6 +329,8 @@ class Server:
                 if out.finished:
                     finals.append(out)
                     chunk["timing"] = timing_dict(out.metrics)
+                    if self.engine.config.speculative_synthetic_acceptance is not None:
+                        chunk["synthetic_acceptance"] = self.engine.config.speculative_synthetic_acceptance
                 yield self._sse(chunk)
             if greq.include_usage:
                 p = sum(o.num_prompt_tokens for o in finals)
