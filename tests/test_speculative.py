@@ -154,25 +154,19 @@ def _tiny_vocab_model(tmp_path, name, seed):
     return save_checkpoint(hf, tmp_path / name), hf
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("method", ["draft_model", "hybrid"])
-def test_sampled_tokens_match_exact_target_distribution(tmp_path, method):
-    """Temperature 1, top_p 0.9: the first three generated tokens (the second and third come
-    from draft proposals verified by rejection sampling) follow the target's own
-    probabilities, computed exactly from its logits. Draft chains stop early on unsure
-    drafts. Hybrid: n-gram (one-hot q) and model drafts mixed in the same batches."""
+def exact_first_three(target, prompt: list[int], params: SamplingParams, mask=None) -> torch.Tensor:
+    """(8, 8, 8) float64: the probability of each first three tokens under the tiny-vocabulary
+    target with ``params``' filters, exactly from its logits; ``mask(position)`` -> (8,) additive
+    logit mask (a grammar's), if given."""
     from tailserve.sample.sampler import SamplingTensors, filtered_probs
 
-    target_path, target = _tiny_vocab_model(tmp_path, "target", seed=0)
-    draft_path, _ = _tiny_vocab_model(tmp_path, "draft", seed=1)
-    prompt = [3, 1, 4]
-    # A fourth token (not counted) leaves room for two drafts in the first round.
-    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=4, ignore_eos=True)
     st = SamplingTensors.from_params([params], 8, torch.device("cpu"))
 
     def probs(prefix):
         with torch.inference_mode():
             logits = target(torch.tensor([prompt + prefix])).logits[0, -1:].float()
+        if mask is not None:
+            logits = logits + mask(len(prefix))
         return filtered_probs(logits, st)[0].double()
 
     p0 = probs([])
@@ -184,6 +178,22 @@ def test_sampled_tokens_match_exact_target_distribution(tmp_path, method):
         for b in range(8):
             if p1[b] > 0:
                 exact[a, b] = p0[a] * p1[b] * probs([a, b])
+    return exact
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["draft_model", "hybrid"])
+def test_sampled_tokens_match_exact_target_distribution(tmp_path, method):
+    """Temperature 1, top_p 0.9: the first three generated tokens (the second and third come
+    from draft proposals verified by rejection sampling) follow the target's own
+    probabilities, computed exactly from its logits. Draft chains stop early on unsure
+    drafts. Hybrid: n-gram (one-hot q) and model drafts mixed in the same batches."""
+    target_path, target = _tiny_vocab_model(tmp_path, "target", seed=0)
+    draft_path, _ = _tiny_vocab_model(tmp_path, "draft", seed=1)
+    prompt = [3, 1, 4]
+    # A fourth token (not counted) leaves room for two drafts in the first round.
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=4, ignore_eos=True)
+    exact = exact_first_three(target, prompt, params)
 
     llm = LLM(str(target_path), dtype="float32", kv_cache_memory_bytes=64 << 20, max_num_seqs=512,
               max_num_batched_tokens=4096, speculative_model=str(draft_path), num_speculative_tokens=2, seed=123,

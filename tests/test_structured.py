@@ -241,9 +241,8 @@ def test_sampled_constrained_tokens_follow_the_masked_target_under_speculation(t
     it often drafts tokens the grammar refuses): the three tokens follow the target's
     distribution masked position by position, computed exactly from its logits."""
     from tailserve import LLM
-    from tailserve.sample.sampler import SamplingTensors, filtered_probs
     from test_rejection_sampler import chi2_pvalue
-    from test_speculative import _tiny_vocab_model
+    from test_speculative import _tiny_vocab_model, exact_first_three
 
     target_path, target = _tiny_vocab_model(tmp_path, "target", seed=0)
     draft_path, _ = _tiny_vocab_model(tmp_path, "draft", seed=1)
@@ -253,21 +252,13 @@ def test_sampled_constrained_tokens_follow_the_masked_target_under_speculation(t
     allowed_at = [[2, 3], [2, 3, 4, 5, 6, 7], [4, 5, 6, 7]]
     params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True,
                             structured_outputs=SO(regex="[ab][a-f][c-f]"))
-    st = SamplingTensors.from_params([params], 8, torch.device("cpu"))
 
-    def probs(prefix):
-        with torch.inference_mode():
-            logits = target(torch.tensor([prompt + prefix])).logits[0, -1:].float()
-        mask = torch.full((8,), float("-inf"))
-        mask[allowed_at[len(prefix)]] = 0.0
-        return filtered_probs(logits + mask, st)[0].double()
+    def mask(position: int) -> torch.Tensor:
+        m = torch.full((8,), float("-inf"))
+        m[allowed_at[position]] = 0.0
+        return m
 
-    p0 = probs([])
-    exact = torch.zeros(8, 8, 8, dtype=torch.float64)
-    for a in allowed_at[0]:
-        p1 = probs([a])
-        for b in allowed_at[1]:
-            exact[a, b] = p0[a] * p1[b] * probs([a, b])
+    exact = exact_first_three(target, prompt, params, mask)
     llm = LLM(str(target_path), dtype="float32", kv_cache_memory_bytes=64 << 20, max_num_seqs=512,
               max_num_batched_tokens=4096, speculative_model=str(draft_path), num_speculative_tokens=2, seed=7,
               enable_prefix_caching=False)

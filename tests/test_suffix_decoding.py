@@ -123,26 +123,13 @@ def test_sampled_tokens_under_suffix_decoding_follow_the_target(tmp_path):
     """Temperature 1: the first three tokens follow the target's exact distribution while
     the global cache (the earlier samples' outputs) drafts them."""
     from tailserve import LLM
-    from tailserve.sample.sampler import SamplingTensors, filtered_probs
     from test_rejection_sampler import chi2_pvalue
-    from test_speculative import _tiny_vocab_model
+    from test_speculative import _tiny_vocab_model, exact_first_three
 
     target_path, target = _tiny_vocab_model(tmp_path, "target", seed=0)
     prompt = [3, 1, 4]
     params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
-    st = SamplingTensors.from_params([params], 8, torch.device("cpu"))
-
-    def probs(prefix):
-        with torch.inference_mode():
-            logits = target(torch.tensor([prompt + prefix])).logits[0, -1:].float()
-        return filtered_probs(logits, st)[0].double()
-
-    p0 = probs([])
-    exact = torch.zeros(8, 8, 8, dtype=torch.float64)
-    for a in range(8):
-        p1 = probs([a])
-        for b in range(8):
-            exact[a, b] = p0[a] * p1[b] * probs([a, b])
+    exact = exact_first_three(target, prompt, params)
     llm = LLM(str(target_path), dtype="float32", kv_cache_memory_bytes=64 << 20, max_num_seqs=512,
               max_num_batched_tokens=4096, speculative_method="suffix", num_speculative_tokens=2, seed=5,
               enable_prefix_caching=False, suffix_min_token_prob=0.0, suffix_max_spec_factor=4.0)
