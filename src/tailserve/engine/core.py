@@ -194,8 +194,9 @@ class EngineCore:
 
     @staticmethod
     def _settle_masks(sched: SchedulerOutput) -> None:
-        """A failed step: let its mask computation finish before anything touches the
-        matchers again (it walks them through the drafts and back)."""
+        """Let the step's mask computation finish before anything touches the matchers again
+        (it walks them through the drafts and back): after a failed step, and after one whose
+        executor did not sample (the worker otherwise waited for it already)."""
         if sched.grammar is not None and isinstance(sched.grammar.pending, Future):
             wait([sched.grammar.pending])
 

@@ -285,11 +285,12 @@ def plan_target(config: EngineConfig, arch: ModelArchConfig, device: torch.devic
     kernels = device.type == "cpu" and config.cpu_kernels and caps.cpu_kernels
     sampler_why = "top-k / top-p cut-offs by quickselect in the compiled kernels" if kernels else (
         "not a CPU device" if device.type != "cpu" else f"sort-based cut-offs ({_kernels_off(config, caps)})")
-    # Measured on 2 AVX2 cores (benchmarks/bench_structured.py, docs/benchmarks.md): one
-    # request's mask takes ~90 us, less than handing it to a thread while OpenMP keeps the
-    # cores busy (0.94x of unconstrained beside the forward, 0.99x before it); sixteen take
-    # ~0.8 ms (4,096 tokens) to ~10 ms (152k), worth hiding (0.96x against 0.82x). A GPU's
-    # host only waits for the device: always beside it, on llguidance's threads.
+    # Measured on 2 AVX2 cores (benchmarks/bench_structured.py, docs/benchmarks.md, four
+    # sittings): one request's mask takes ~90 us, less than handing it to a thread while
+    # OpenMP keeps the cores busy (before the forward won every sitting at batch 1, e.g. 0.98x
+    # of unconstrained against 0.82x); sixteen take ~1 ms (4,096 tokens) to ~9 ms (152k),
+    # where beside the forward was ahead on average but within the noise. A GPU's host only
+    # waits for the device: always beside it, on llguidance's threads.
     gpu = device.type != "cpu"
     min_rows = 1 if gpu else 4
     masks_why = ("the host waits on the device meanwhile" if gpu

@@ -51,16 +51,12 @@ class SuffixCacheFigures:
 
 @dataclass(frozen=True)
 class SuffixConfig:
+    """Plain data; EngineConfig validates the suffix_* fields it is built from."""
+
     max_depth: int = 24  # longest suffix matched (vLLM's suffix_decoding_max_tree_depth)
     max_spec_factor: float = 1.0  # drafts at most this times the match length
     min_token_prob: float = 0.1  # stop once the draft's cumulative probability falls below
     max_requests: int = 4096  # finished requests kept in the global cache
-
-    def __post_init__(self) -> None:
-        if self.max_depth < 1 or self.max_spec_factor <= 0 or not 0 <= self.min_token_prob <= 1 \
-                or self.max_requests < 0:
-            raise ValueError("suffix decoding: need max_depth >= 1, max_spec_factor > 0, min_token_prob in [0, 1], "
-                             "max_requests >= 0")
 
 
 def _walk(tokens: np.ndarray, ends: np.ndarray, pattern: np.ndarray, k: int,

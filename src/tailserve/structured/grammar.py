@@ -21,7 +21,6 @@ in one engine (vLLM's ``guidance`` backend uses it).
 from __future__ import annotations
 
 import json
-import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -33,8 +32,6 @@ import numpy as np
 
 from tailserve.errors import InvalidRequestError
 from tailserve.sampling_params import StructuredOutputsParams
-
-log = logging.getLogger("tailserve.structured")
 
 Matcher = llguidance.LLMatcher
 
