@@ -10,6 +10,15 @@ speed-up, same run). Also: the cost ratio of the draft to the target (each alone
 inside the engine), and batch-16 throughput with adaptive speculation vs off.
 
     python benchmarks/bench_speculative.py [--runs 2] [--prompts 8] [--new-tokens 256] [--skip-hf]
+
+``--matrix``: "never slower" instead. Adaptive speculation (the built-in draft) against
+speculation off at batch 1, 4 and 16, temperature 0 and 0.8, unseeded and seeded: a short
+run (fresh engines, the controller cold: 6 requests at batch 1, 2 x batch otherwise, 128
+tokens each) and a long one (engines kept across every cell and round, the controller
+warm), off and adaptive interleaved, ``--runs`` rounds (default 3), medians of end-to-end
+tokens/s per cell. ``--verification block`` measures block verification instead.
+
+    python benchmarks/bench_speculative.py --matrix [--runs 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -63,9 +72,81 @@ def interleaved_decode_tps(runners: dict, prompts: list, new: int, runs: int) ->
     return {name: statistics.median(r) for name, r in rates.items()}
 
 
+def _matrix_params(temperature: float, seeded: bool, n: int, tokens: int) -> list[SamplingParams]:
+    return [SamplingParams(temperature=temperature, max_tokens=tokens, ignore_eos=True,
+                           seed=1000 + i if seeded else None) for i in range(n)]
+
+
+def never_slower_matrix(args: argparse.Namespace) -> dict:
+    """Adaptive vs off per (batch, temperature, seeded) cell, short (cold) and long (warm)."""
+    from tailserve.engine.plan import detect_capabilities
+
+    caps = detect_capabilities(torch.device("cpu"))
+    print(f"CPU: {caps.cpu_capability}; {torch.get_num_threads()} threads", flush=True)
+    prompts = held_out_prompts(32)
+    common = dict(dtype=args.dtype, kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False)
+    spec = {"speculative_model": args.draft or str(DEFAULT_DRAFT_DIR),
+            "speculative_verification": args.verification}
+    batches, temps = (1, 4, 16), (0.0, 0.8)
+    cells = [(b, t, s) for b in batches for t in temps for s in ((False, True) if t > 0 else (False,))]
+    warm = {(b, name): LLM(**common, max_num_seqs=b, **(spec if name == "adaptive" else {}))
+            for b in batches for name in ("off", "adaptive")}
+    for llm in warm.values():
+        llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    tokens = 128
+    rates: dict[tuple, list[float]] = {}
+    accept: dict[tuple, list[float]] = {}
+    for r in range(args.runs):
+        for b, t, seeded in cells:
+            n = 6 if b == 1 else 2 * b
+            params = _matrix_params(t, seeded, n, tokens)
+            for run in ("short", "long"):
+                order = ("off", "adaptive") if (r + b) % 2 == 0 else ("adaptive", "off")
+                for name in order:
+                    llm = warm[(b, name)] if run == "long" else \
+                        LLM(**common, max_num_seqs=b, **(spec if name == "adaptive" else {}))
+                    before = llm.stats()["speculative"]
+                    t0 = time.perf_counter()
+                    llm.generate(prompts[:n], params)
+                    dt = time.perf_counter() - t0
+                    rates.setdefault((b, t, seeded, run, name), []).append(n * tokens / dt)
+                    after = llm.stats()["speculative"]
+                    drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
+                    if name == "adaptive":
+                        accept.setdefault((b, t, seeded, run), []).append(
+                            (after["num_accepted_tokens"] - before["num_accepted_tokens"]) / drafted
+                            if drafted else float("nan"))
+                    if run == "short":
+                        llm.shutdown()
+            print(f"round {r + 1}: batch {b:>2} t={t} {'seeded' if seeded else 'unseeded':<8} "
+                  + "  ".join(f"{run} {rates[(b, t, seeded, run, 'adaptive')][-1] / rates[(b, t, seeded, run, 'off')][-1]:.2f}x"
+                              for run in ("short", "long")), flush=True)
+    out = {"cpu": caps.cpu_capability, "verification": args.verification, "cells": []}
+    print(f"\nadaptive / off, median of {args.runs} rounds (end-to-end tok/s; {caps.cpu_capability}):")
+    print(f"{'batch':>5} {'temp':>5} {'seed':>8} | {'short':>6} {'long':>6} | off tok/s short/long | drafted share accepted")
+    worst = float("inf")
+    for b, t, seeded in cells:
+        row = {"batch": b, "temperature": t, "seeded": seeded}
+        for run in ("short", "long"):
+            off = statistics.median(rates[(b, t, seeded, run, "off")])
+            ad = statistics.median(rates[(b, t, seeded, run, "adaptive")])
+            row[run] = {"off_tok_s": off, "adaptive_tok_s": ad, "ratio": ad / off,
+                        "acceptance_rate": statistics.median(accept[(b, t, seeded, run)])}
+            worst = min(worst, ad / off)
+        print(f"{b:>5} {t:>5} {'yes' if seeded else 'no':>8} | {row['short']['ratio']:>5.2f}x {row['long']['ratio']:>5.2f}x"
+              f" | {row['short']['off_tok_s']:>7.0f} / {row['long']['off_tok_s']:<7.0f}"
+              f" | {row['short']['acceptance_rate']:.2f} / {row['long']['acceptance_rate']:.2f}")
+        out["cells"].append(row)
+    out["worst_ratio"] = worst
+    print(f"worst cell: {worst:.2f}x (goal >= 0.98x)")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--matrix", action="store_true", help="the never-slower matrix (see the module docstring)")
+    ap.add_argument("--verification", default="token", help="--matrix: token or block verification")
+    ap.add_argument("--runs", type=int, default=None, help="rounds (default 2; 3 with --matrix)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--dtype", default="bfloat16")
@@ -75,6 +156,13 @@ def main() -> None:
     ap.add_argument("--rows", default=None, help="only rows whose name contains this (plus 'off')")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.matrix:
+        args.runs = args.runs or 3
+        result = never_slower_matrix(args)
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(result, indent=2))
+        return
+    args.runs = args.runs or 2
     prompts = held_out_prompts(args.prompts)
     new = args.new_tokens
     common = dict(dtype=args.dtype, kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False)

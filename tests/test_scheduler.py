@@ -291,16 +291,18 @@ def test_no_lookahead_without_free_blocks_and_nobody_is_preempted_for_it():
     assert out.scheduled[0].num_lookahead_tokens == 0 and not out.preempted_ids
 
 
-def test_seeded_sampled_requests_draft_a_fixed_k_under_adaptive_speculation():
-    s = spec_scheduler(k=8, fixed=False)
-    s.add_request(Request("seeded", list(range(10, 16)), SamplingParams(temperature=1.0, seed=3, max_tokens=30),
-                          frozenset({EOS}), 1024))
-    s.add_request(Request("greedy", list(range(20, 26)), SamplingParams(temperature=0, max_tokens=30),
-                          frozenset({EOS}), 1024))
-    s.speculation.choose_k = lambda num_decoding: 0  # timing says: speculation off
-    out = s.schedule()
-    la = {q.request_id: q.num_lookahead_tokens for q in out.scheduled}
-    assert la == {"seeded": s.seeded_k, "greedy": 0} and s.seeded_k == 4
+def test_seeded_sampled_requests_take_the_controllers_k_like_everyone_else():
+    """Their output does not depend on k (the race, sample/sampler.py), so they need no rule
+    of their own: off means off for them too, and on means the controller's k."""
+    for chosen in (0, 3):
+        s = spec_scheduler(k=8, fixed=False)
+        s.add_request(Request("seeded", list(range(10, 16)), SamplingParams(temperature=1.0, seed=3, max_tokens=30),
+                              frozenset({EOS}), 1024))
+        s.add_request(Request("greedy", list(range(20, 26)), SamplingParams(temperature=0, max_tokens=30),
+                              frozenset({EOS}), 1024))
+        s.speculation.choose_k = lambda num_decoding, chosen=chosen: chosen
+        out = s.schedule()
+        assert {q.request_id: q.num_lookahead_tokens for q in out.scheduled} == {"seeded": chosen, "greedy": chosen}
 
 
 def test_admission_hook_lets_a_contiguous_baseline_reserve_the_whole_context():

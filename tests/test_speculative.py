@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -134,17 +136,32 @@ def test_target_as_its_own_draft_accepts_everything(llama_checkpoint):
     assert line in text
 
 
-def test_seeded_sampling_with_speculation_is_reproducible(llama_checkpoint, draft_checkpoint):
+SEEDED_SPEC = {
+    "off": {},
+    "draft_k3": dict(num_speculative_tokens=3),
+    "draft_adaptive_block": dict(speculative_verification="block"),
+    "hybrid_k4": dict(speculative_method="hybrid", num_speculative_tokens=4, ngram_min=1),
+}
+
+
+def test_seeded_sampling_gives_the_same_tokens_with_speculation_on_or_off(llama_checkpoint, draft_checkpoint):
+    """A seeded request's tokens are its races' winners (sample/sampler.py): the same with
+    speculation off, a fixed k, adaptive k with block verification, or hybrid lookups, and
+    whatever unseeded requests share its batch."""
     path, _ = llama_checkpoint
-    params = SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=15, ignore_eos=True)
-    runs = []
-    for extra in ([], [[9, 9, 9], [1, 2, 3, 4]]):
-        llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=4 << 20, speculative_model=str(draft_checkpoint),
-                  num_speculative_tokens=3)
-        others = [SamplingParams(temperature=1.0, max_tokens=9)] * len(extra)
-        outs = llm.generate([[5, 6, 7], *extra], [params, *others])
-        runs.append(outs[0].token_ids)
-    assert runs[0] == runs[1]
+    seeded = [SamplingParams(temperature=0.9, top_p=0.9, seed=5 + i, max_tokens=15, ignore_eos=True) for i in range(3)]
+    prompts = [[5, 6, 7], [5, 6, 7, 5, 6, 7, 5, 6], [40, 41, 42, 43]]
+    others = [[9, 9, 9], [1, 2, 3, 4]]
+    runs = {}
+    for name, spec in SEEDED_SPEC.items():
+        extra = dict(speculative_model=str(draft_checkpoint), **spec) if spec else {}
+        llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=4 << 20, **extra)
+        mates = [SamplingParams(temperature=1.0, max_tokens=9)] * len(others) if name != "off" else []
+        outs = llm.generate(prompts + (others if name != "off" else []), seeded + mates)
+        runs[name] = [o.token_ids for o in outs[: len(prompts)]]
+        if name != "off":
+            assert llm.engine.spec_stats.num_accepted_tokens > 0  # drafts really were verified
+    assert len({str(r) for r in runs.values()}) == 1, runs
 
 
 def _tiny_vocab_model(tmp_path, name, seed):
@@ -182,12 +199,13 @@ def exact_first_three(target, prompt: list[int], params: SamplingParams, mask=No
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["draft_model", "hybrid"])
+@pytest.mark.parametrize("method", ["draft_model", "hybrid", "block", "seeded"])
 def test_sampled_tokens_match_exact_target_distribution(tmp_path, method):
     """Temperature 1, top_p 0.9: the first three generated tokens (the second and third come
     from draft proposals verified by rejection sampling) follow the target's own
     probabilities, computed exactly from its logits. Draft chains stop early on unsure
-    drafts. Hybrid: n-gram (one-hot q) and model drafts mixed in the same batches."""
+    drafts. Hybrid: n-gram (one-hot q) and model drafts mixed in the same batches. Block:
+    block verification. Seeded: every request with its own seed (verified by the race)."""
     target_path, target = _tiny_vocab_model(tmp_path, "target", seed=0)
     draft_path, _ = _tiny_vocab_model(tmp_path, "draft", seed=1)
     prompt = [3, 1, 4]
@@ -197,12 +215,15 @@ def test_sampled_tokens_match_exact_target_distribution(tmp_path, method):
 
     llm = LLM(str(target_path), dtype="float32", kv_cache_memory_bytes=64 << 20, max_num_seqs=512,
               max_num_batched_tokens=4096, speculative_model=str(draft_path), num_speculative_tokens=2, seed=123,
-              enable_prefix_caching=False, speculative_method=method, ngram_min=1,
+              enable_prefix_caching=False, speculative_method="hybrid" if method == "hybrid" else "draft_model",
+              ngram_min=1, speculative_verification="block" if method == "block" else "token",
               speculative_draft_stop_margin=0.02)  # the tiny draft's margins are a few hundredths
-    n = 24_000
+    n = 24_000 if method in ("draft_model", "hybrid") else 12_000  # the suite's time: half for the variants
     counts = torch.zeros(512, dtype=torch.float64)
-    for _ in range(n // 2000):
-        for out in llm.generate([prompt] * 2000, params):
+    for r in range(n // 2000):
+        batch = [dataclasses.replace(params, seed=r * 2000 + i) for i in range(2000)] if method == "seeded" \
+            else params
+        for out in llm.generate([prompt] * 2000, batch):
             a, b, c = out.token_ids[:3]
             counts[a * 64 + b * 8 + c] += 1
     spec = llm.engine.spec_stats

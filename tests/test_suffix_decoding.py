@@ -141,18 +141,3 @@ def test_sampled_tokens_under_suffix_decoding_follow_the_target(tmp_path):
     spec = llm.engine.spec_stats
     assert spec.num_draft_tokens > 1000 and 0 < spec.acceptance_rate < 1
     assert chi2_pvalue(counts, exact.reshape(-1)) > 1e-3
-
-
-def test_a_seeded_sampled_request_drafts_from_its_own_text_only():
-    """Its output must not depend on which other requests finished before it."""
-    from tailserve.speculative.proposer import ProposalInput
-
-    p = SuffixProposer(SuffixConfig(max_spec_factor=8.0))
-    p.observe_finished([1, 2, 3, 4, 5], 0)
-
-    def inp(params):
-        return ProposalInput("r", [9, 1, 2], 0, 3, [], 4, params, None)
-
-    assert p.propose_input(inp(SamplingParams(temperature=0))) == [3, 4, 5]
-    assert p.propose_input(inp(SamplingParams(temperature=1.0))) == [3, 4, 5]
-    assert p.propose_input(inp(SamplingParams(temperature=1.0, seed=3))) == []

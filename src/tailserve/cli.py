@@ -82,6 +82,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-synthetic-acceptance", type=float, default=None, metavar="A",
                    help="benchmarks only, LOSSY: accept each draft with probability A whatever the target says "
                         "(needs TAILSERVE_BENCHMARK=1)")
+    s.add_argument("--speculative-verification", default="token", choices=["token", "block"],
+                   help="token: verify drafts token by token; block: as a whole (block verification, "
+                        "the same distribution, at least as many drafts accepted)")
     s.add_argument("--suffix-max-depth", type=int, default=24,
                    help="suffix decoding: the longest context suffix matched")
     s.add_argument("--suffix-max-spec-factor", type=float, default=1.0,
@@ -114,6 +117,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         suffix_max_spec_factor=args.suffix_max_spec_factor, suffix_min_token_prob=args.suffix_min_token_prob,
         suffix_cache_max_requests=args.suffix_cache_max_requests,
         speculative_synthetic_acceptance=args.speculative_synthetic_acceptance,
+        speculative_verification=args.speculative_verification,
     )
 
 

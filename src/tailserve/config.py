@@ -133,6 +133,10 @@ class EngineConfig:
     # probability whatever the target says, so speed can be measured for any acceptance rate.
     # Refused unless TAILSERVE_BENCHMARK=1 is set; never a request field.
     speculative_synthetic_acceptance: float | None = None
+    # How drafts are verified: "token" (token by token, Leviathan et al.) or "block" (the
+    # draft block as a whole, Sun et al. 2025: the same distribution, at least as many
+    # drafts accepted on average). See sample/rejection.py.
+    speculative_verification: str = "token"
     # PYTORCH_CUDA_ALLOC_CONF for this process (validated, applied before CUDA initialises;
     # see memory/allocator/control.py). Without kv_cache_memory_bytes, the KV cache takes what
     # gpu_memory_utilization (default 0.9) leaves after a profiling pass of the largest step.
@@ -218,6 +222,10 @@ class EngineConfig:
                 raise ConfigError(f"speculative_synthetic_acceptance must be in [0, 1], got {a!r}")
             if method is None:
                 raise ConfigError("speculative_synthetic_acceptance needs a speculative method")
+        if self.speculative_verification not in ("token", "block"):
+            raise ConfigError(f"speculative_verification must be token or block, got {self.speculative_verification!r}")
+        if self.speculative_verification == "block" and a is not None:
+            raise ConfigError("speculative_verification block: synthetic acceptance replaces verification altogether")
         k = self.num_speculative_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16):
             raise ConfigError(f"num_speculative_tokens must be an integer in [1, 16], got {k!r}")

@@ -1,6 +1,6 @@
 """Turns a ``SchedulerOutput`` into one forward pass, sampled tokens and the next drafts.
 
-The runner keeps a persistent per-request state (token ids, block table, seeded generator,
+The runner keeps a persistent per-request state (token ids, block table,
 what the draft model holds, the draft probabilities of the drafts in flight), built from a
 request's ``NewRequestData`` once and then updated from each step's deltas and from its own
 sampled tokens; the scheduler's ``Request`` objects are never shared with it.
@@ -36,7 +36,7 @@ from tailserve.model.llama import LlamaFamilyModel
 from tailserve.sample.bitmask import apply_token_bitmask
 from tailserve.sample.logits_processors import apply_logits_processors
 from tailserve.sample.rejection import RejectionSampler, greedy_rows, synthetic_rows
-from tailserve.sample.sampler import Sampler, SamplingTensors, fast_argmax
+from tailserve.sample.sampler import Sampler, SamplingTensors, fast_argmax, seeded_key
 from tailserve.sampling_params import SamplingParams
 from tailserve.speculative.proposer import ProposalInput, Proposer
 
@@ -65,7 +65,8 @@ class ModelRunner:
     def __init__(self, model: LlamaFamilyModel, arch: ModelArchConfig, kv_caches: list[torch.Tensor],
                  block_size: int, device: torch.device, seed: int = 0, max_model_len: int | None = None,
                  proposer: Proposer | None = None, attn_backend: AttentionBackend | None = None,
-                 sampler: Sampler | None = None, synthetic_acceptance: float | None = None) -> None:
+                 sampler: Sampler | None = None, synthetic_acceptance: float | None = None,
+                 verification: str = "token") -> None:
         self.model = model
         self.arch = arch
         self.kv_caches = kv_caches
@@ -77,7 +78,7 @@ class ModelRunner:
         # The sampler (and its generator, which a draft model's proposer shares) is built first
         # by the worker when there is a proposer; a runner of its own otherwise.
         self.sampler = sampler or Sampler(arch.vocab_size, device, seed)
-        self.rejection_sampler = RejectionSampler(self.sampler.generator)
+        self.rejection_sampler = RejectionSampler(self.sampler.generator, self.sampler.noise, verification)
         # Benchmarks only (LOSSY): drafts accepted with this probability whatever the target says.
         self.synthetic_acceptance = synthetic_acceptance
         self.proposer = proposer
@@ -86,22 +87,17 @@ class ModelRunner:
         self.uses_draft_kv = proposer is not None and proposer.uses_draft_kv
         self.needs_draft_probs = proposer is not None and proposer.needs_draft_probs
         self.requests: dict[str, CachedRequestState] = {}
-        self._generators: dict[str, torch.Generator] = {}
         # Captured decodes by batch-size bucket (capture_decode_graphs); empty = always eager.
         self.decode_graphs: dict[int, DecodeGraph] = {}
         self.graph_replays = 0  # steps served by a replay (tests and the start-up log read it)
         self._cache_changed = False  # a finished request reached the proposer since the last report
 
-    def generator_for(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
-        """A seeded request's own generator (kept across preemptions, dropped when it finishes)."""
-        if params.seed is None or params.greedy:
-            return None
-        g = self._generators.get(request_id)
-        if g is None:
-            g = torch.Generator(device=self.device)
-            g.manual_seed(params.seed)
-            self._generators[request_id] = g
-        return g
+    @staticmethod
+    def seed_of(st: CachedRequestState) -> int | None:
+        """A sampled request's seed (None: unseeded or greedy): its tokens then come from the
+        race keyed by (seed, position), see sample/sampler.py."""
+        p = st.params
+        return None if p.seed is None or p.greedy else p.seed
 
     # -- the persistent batch ------------------------------------------------------------------
     def _apply(self, sched: SchedulerOutput) -> None:
@@ -139,7 +135,6 @@ class ModelRunner:
         proposer = self.proposer
         for rid in finished_ids:
             st = self.requests.pop(rid, None)
-            self._generators.pop(rid, None)
             if st is not None and proposer is not None:
                 proposer.observe_finished(st.token_ids, st.num_prompt_tokens)  # suffix decoding's global cache
                 self._cache_changed = True
@@ -307,8 +302,9 @@ class ModelRunner:
                 tokens = fast_argmax(logits)  # the common all-greedy case: nothing to prepare
             else:
                 st_t = SamplingTensors.from_params(plist, self.arch.vocab_size, self.device, self.sampler.kernels)
-                gens = [self.generator_for(st.request_id, st.params) for st in sampled]
-                tokens = self.sampler.sample(logits, st_t, gens)
+                keys = [None if (seed := self.seed_of(st)) is None else seeded_key(seed, len(st.token_ids))
+                        for st in sampled]
+                tokens = self.sampler.sample(logits, st_t, keys)
             return [[t] for t in tokens.tolist()], [[i] for i in range(len(sampled))]
         if self.synthetic_acceptance is not None:
             if all(p.greedy for p in plist):
@@ -324,12 +320,12 @@ class ModelRunner:
             emitted = greedy_rows(logits, num_drafts, drafts)
         else:
             st_t = SamplingTensors.from_params(plist, self.arch.vocab_size, self.device, self.sampler.kernels)
-            gens = [self.generator_for(st.request_id, st.params) for st in sampled]
+            seeded = [None if (seed := self.seed_of(st)) is None else (seed, len(st.token_ids)) for st in sampled]
             probs = None
             if self.needs_draft_probs:
                 probs = [st.draft_probs[:k] if k and st.draft_probs is not None else None
                          for st, k in zip(sampled, num_drafts)]
-            emitted = self.rejection_sampler(logits, num_drafts, drafts, probs, st_t, gens)
+            emitted = self.rejection_sampler(logits, num_drafts, drafts, probs, st_t, seeded)
         starts = [0]
         for k in num_drafts:
             starts.append(starts[-1] + k + 1)
@@ -404,7 +400,7 @@ class ModelRunner:
             # The draft can only write K/V into slots the request already owns.
             valid = min(valid, len(st.block_ids) * bs)
             inputs.append(ProposalInput(st.request_id, st.token_ids, st.num_draft_seen, valid, st.block_ids, kk,
-                                        st.params, self.generator_for(st.request_id, st.params)))
+                                        st.params, self.seed_of(st)))
         if not inputs:
             return
         t0 = time.perf_counter()

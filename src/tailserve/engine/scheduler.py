@@ -15,8 +15,8 @@ Policy, per step, under ``max_num_batched_tokens`` and ``max_num_seqs``:
    admitted in a step that had to preempt.
 3. With speculative decoding, the scheduler owns the round: it schedules the draft tokens
    proposed last step for verification, chooses how many to propose after this step (the
-   adaptive controller's k; a fixed k for seeded sampled requests, so their output never
-   depends on timing) and reserves their KV slots now, while free blocks last (a request
+   adaptive controller's k, for every request: a seeded one's output does not depend on k)
+   and reserves their KV slots now, while free blocks last (a request
    that cannot get them drafts nothing this round; nobody is preempted for a draft).
    The worker returns the drafts in ``ModelRunnerOutput``; the draft model's K/V reuse on
    prefix hits is recorded through the block pool's own API.
@@ -78,12 +78,9 @@ class Scheduler:
         self.num_forks = 0  # samples forked from their group's first
         self.num_fork_shared_blocks = 0  # prompt blocks they shared instead of computing
         self.num_fork_copied_blocks = 0  # blocks copied on write at a fork
-        # Speculative decoding (None: off). Seeded sampled requests draft a fixed k when k is
-        # adaptive: the controller's choice depends on measured times, a seeded output must not.
+        # Speculative decoding (None: off). Every request takes the controller's k, seeded ones
+        # too: their tokens are their races' winners whatever k is (sample/sampler.py).
         self.speculation = speculation
-        self.seeded_k = 0
-        if speculation is not None:
-            self.seeded_k = speculation.fixed_k or max(1, speculation.k_max // 2)
         self.spec_stats = SpecDecodeStats()
 
     def kv_figures(self, bytes_per_block: int) -> KVCacheFigures:
@@ -304,16 +301,14 @@ class Scheduler:
         k = spec.choose_k(num_decoding) if num_decoding else 0
         if num_decoding:
             out.spec_round = spec.last_round
-        adaptive = spec.fixed_k is None
         for idx, (s, req) in enumerate(zip(out.scheduled, chosen)):
             if not s.sample:
                 continue
             p = req.params
             if p.has_logits_processors:
                 continue  # penalties depend on each verified position's history: no drafts
-            kk = self.seeded_k if adaptive and p.seed is not None and not p.greedy else k
             # room_for_drafts before this step's tokens: an upper bound (the update trims).
-            kk = min(kk, req.room_for_drafts)
+            kk = min(k, req.room_for_drafts)
             if kk <= 0:
                 continue
             # The step adds at most num_tokens + 1 tokens; the chain then writes K/V up to

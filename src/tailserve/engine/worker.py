@@ -150,7 +150,8 @@ class Worker:
         proposer = self._build_proposer(sampler, kernels)
         self.runner = ModelRunner(self.model, self.arch, self.kv_caches, config.block_size, device, config.seed,
                                   max_model_len=max_len, attn_backend=self.attn_backend, proposer=proposer,
-                                  sampler=sampler, synthetic_acceptance=config.speculative_synthetic_acceptance)
+                                  sampler=sampler, synthetic_acceptance=config.speculative_synthetic_acceptance,
+                                  verification=config.speculative_verification)
         self.graph_capture_s: float | None = None
         if plan.decode_graph_sizes:
             self.graph_capture_s = self.capture_decode_graphs(list(plan.decode_graph_sizes))

@@ -13,15 +13,36 @@ the output equals plain sampling with the same parameters. Greedy requests accep
 argmax equality and emit the target's argmax. An n-gram proposer's q is one-hot
 (``draft_probs=None``): the acceptance probability is p(x), the residual is p without x.
 
-Everything is batched over requests and positions: no Python loop over either, except to
-draw seeded requests' random numbers from their own generators.
+Block verification (Sun et al., "Block verification accelerates speculative decoding",
+ICLR 2025; ``block_verify_probs``) judges the draft block as a whole instead of token by
+token: with p_0 = 1 and p_i = min(1, p_(i-1) p_i(x_i) / q_i(x_i)), the residual weight at
+position i < k is h_i = m_i / (m_i + 1 - p_i), where m_i = sum_x max(0, p_i p_(i+1)(x) -
+q_(i+1)(x)) is the mass left there, and h_k = p_k. It keeps tau = the last i whose uniform
+falls under h_i (0 if none), emits x_1..x_tau and one token from normalize(max(0, p_tau
+p_(tau+1) - q_(tau+1))) (from p_(k+1) when tau = k). The output is still exactly the
+target's distribution, and the expected number of accepted drafts is provably at least the
+token-wise rule's (the paper's theorem 2): a later draft can rescue an early one that
+token-wise verification would have rejected. Both rules draw k uniforms and one for the
+final token per request.
+
+Seeded requests are not verified by either rule: their tokens come from the exponential
+race keyed by (seed, position) that plain sampling uses (sample/sampler.py), the draft's
+proposal under q and the target's verification under p sharing each position's noise, so
+their output is exactly speculation-off's (``RejectionSampler.seeded_rows``). That costs
+some acceptance (measured on the built-in pair at temperature 0.8: a draft token matches
+the target's race winner 66% of the time, against sum min(p, q) = 70% for the rejection
+rule) and buys outputs that no k, batch or load can change.
+
+Everything is batched over requests and positions: no Python loop over either, except the
+seeded rows' noise (one generator re-seeded per position) and their accept walk.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tailserve.sample.sampler import SamplingTensors, fast_argmax, filtered_probs, sample_from_probs
+from tailserve.sample.sampler import (SamplingTensors, SeededNoise, fast_argmax, filtered_probs, race,
+                                      sample_from_probs, seeded_key)
 
 
 def acceptance_probability(px: torch.Tensor, qx: torch.Tensor) -> torch.Tensor:
@@ -75,11 +96,87 @@ def rejection_sample_probs(
     return num_accepted, final
 
 
-class RejectionSampler:
-    """Builds the padded tensors from a runner's flat rows and draws the random numbers."""
+def block_verify_probs(
+    target_probs: torch.Tensor,  # (B, K+1, V) p at each verified position
+    draft_probs: torch.Tensor | None,  # (B, K, V) q; None = one-hot at the draft tokens
+    draft_ids: torch.Tensor,  # (B, K) long, padding anywhere j >= num_drafts[b]
+    num_drafts: torch.Tensor,  # (B,) long
+    greedy: torch.Tensor,  # (B,) bool
+    target_argmax: torch.Tensor,  # (B, K+1) long, argmax of the target's raw logits
+    uniform: torch.Tensor,  # (B, K) U[0, 1)
+    final_uniform: torch.Tensor,  # (B,) U[0, 1), for the final token
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block verification (see the module docstring); the same contract as
+    ``rejection_sample_probs``. Greedy rows accept by argmax equality, as there."""
+    b, k1, _ = target_probs.shape
+    k = k1 - 1
+    if k == 0:
+        return rejection_sample_probs(target_probs, draft_probs, draft_ids, num_drafts, greedy, target_argmax,
+                                      uniform, final_uniform)
+    device = target_probs.device
+    rows = torch.arange(b, device=device)
+    pos = torch.arange(k1, device=device)  # 0..K
+    valid = pos[None, 1:] <= num_drafts[:, None]  # (B, K): draft j = 1..K exists
+    px = target_probs[:, :k].gather(-1, draft_ids[..., None]).squeeze(-1)  # (B, K)
+    qx = torch.ones_like(px) if draft_probs is None else draft_probs.gather(-1, draft_ids[..., None]).squeeze(-1)
+    # p_i = min(1, p_(i-1) r_i) in logs is L_i = min(0, L_(i-1) + log r_i) = S_i - max(0, S_1..S_i)
+    # with S the running sum of log r: a cumsum and a cummax, no loop over positions.
+    log_r = torch.where(valid, torch.log(px / qx.clamp_min(1e-30)), torch.zeros_like(px))
+    s = log_r.cumsum(dim=1)
+    p = torch.ones((b, k1), dtype=px.dtype, device=device)
+    p[:, 1:] = torch.exp(s - s.clamp_min(0.0).cummax(dim=1).values)  # (B, K+1): p_0..p_K
+    # Residuals at positions 0..K-1 (after i drafts): max(0, p_i p_(i+1) - q_(i+1)).
+    scaled = p[:, :k, None] * target_probs[:, :k]  # (B, K, V)
+    if draft_probs is None:
+        # One-hot q: p_i p(x) <= 1 leaves nothing at the draft token, the rest as it is.
+        residual = scaled.scatter(-1, draft_ids[..., None], 0.0)
+    else:
+        residual = (scaled - draft_probs).clamp_min(0.0)
+    mass = residual.sum(-1)  # (B, K)
+    den = mass + 1.0 - p[:, :k]
+    # h_0 = 1 (tau = 0 always qualifies); h_i for 0 < i < k_b from the mass; h_(k_b) = p_(k_b);
+    # none past k_b. A zero denominator (p_i = 1, p = q there) weighs 1: stopping there is then
+    # never needed and the fallback below is exact.
+    h = torch.where(den > 0, mass / den.clamp_min(1e-30), torch.ones_like(mass))  # index i = position i
+    h = torch.where(pos[None, :k] == num_drafts[:, None], p[:, :k], h)
+    h_last = torch.where(num_drafts == k, p[:, k], torch.zeros_like(p[:, k]))
+    h = torch.cat([h, h_last[:, None]], dim=1)  # (B, K+1)
+    h[:, 0] = 1.0
+    ok = torch.cat([torch.ones((b, 1), dtype=torch.bool, device=device), uniform < h[:, 1:]], dim=1)
+    ok &= pos[None, :] <= num_drafts[:, None]
+    tau = (ok.long() * pos[None, :]).amax(dim=1)  # (B,)
 
-    def __init__(self, generator: torch.Generator) -> None:
+    stopped = tau < num_drafts
+    j = tau.clamp(max=k - 1)
+    res = residual[rows, j]
+    res_mass = res.sum(-1, keepdim=True)
+    p_next = target_probs[rows, tau]  # (B, V)
+    res = torch.where(res_mass > 0, res / res_mass.clamp_min(1e-30), p_next)
+    p_final = torch.where(stopped[:, None], res, p_next)
+    sampled = sample_from_probs(p_final, final_uniform)
+
+    accept_greedy = (draft_ids == target_argmax[:, :k]) & valid
+    greedy_acc = accept_greedy.long().cumprod(dim=1).sum(dim=1)
+    num_accepted = torch.where(greedy, greedy_acc, tau)
+    final = torch.where(greedy, target_argmax[rows, greedy_acc], sampled)
+    return num_accepted, final
+
+
+VERIFICATION_RULES = ("token", "block")
+
+
+class RejectionSampler:
+    """Builds the padded tensors from a runner's flat rows, draws the random numbers and
+    applies the verification rule ("token": ``rejection_sample_probs``; "block":
+    ``block_verify_probs``) to the unseeded sampled rows. Seeded rows are verified by their
+    exponential race instead (``seeded_rows``), greedy rows by argmax equality."""
+
+    def __init__(self, generator: torch.Generator, noise: SeededNoise, verification: str = "token") -> None:
+        if verification not in VERIFICATION_RULES:
+            raise ValueError(f"verification must be one of {VERIFICATION_RULES}, got {verification!r}")
         self.generator = generator
+        self.noise = noise
+        self.verify = block_verify_probs if verification == "block" else rejection_sample_probs
 
     def __call__(
         self,
@@ -88,43 +185,85 @@ class RejectionSampler:
         draft_ids: list[list[int]],
         draft_probs: list[torch.Tensor] | None,  # per request (k_b, V); None = one-hot (n-gram)
         st: SamplingTensors,  # one row per request
-        generators: list[torch.Generator | None],
+        seeded: list[tuple[int, int] | None],  # per request (seed, position of its first verified row)
     ) -> list[list[int]]:
         if st.all_greedy:
             return greedy_rows(target_logits, num_drafts, draft_ids)
+        greedy = st.greedy.tolist()
+        if all(g or s is not None for g, s in zip(greedy, seeded)):
+            # No row for the rule: argmax walks and races only.
+            probs = filtered_probs(target_logits, st.repeat_rows([k + 1 for k in num_drafts]))
+            return self.seeded_rows(target_logits, probs, num_drafts, draft_ids, seeded, greedy)
         device = target_logits.device
         bsz, v = len(num_drafts), target_logits.shape[-1]
         kmax = max(num_drafts)
         counts = [k + 1 for k in num_drafts]
-        starts = torch.tensor([0, *counts[:-1]], device=device).cumsum(0)
-        offs = torch.arange(kmax + 1, device=device)
         nd = torch.tensor(num_drafts, device=device)
-        row_idx = starts[:, None] + torch.minimum(offs[None, :], nd[:, None])  # (B, K+1), clamped padding
-        argmax = fast_argmax(target_logits)[row_idx]  # (B, K+1)
-        ids = torch.zeros((bsz, kmax), dtype=torch.long, device=device)
-        for i, d in enumerate(draft_ids):
-            if d:
-                ids[i, : len(d)] = torch.tensor(d, dtype=torch.long, device=device)
+        # Every request with the same number of drafts (the common case): the flat rows are
+        # already (B, K+1), a view; otherwise gather them with the padding clamped.
+        even = all(k == kmax for k in num_drafts)
+        if even:
+            def padded(x: torch.Tensor) -> torch.Tensor:
+                return x.view(bsz, kmax + 1, *x.shape[1:])
+        else:
+            starts = torch.tensor([0, *counts[:-1]], device=device).cumsum(0)
+            offs = torch.arange(kmax + 1, device=device)
+            row_idx = starts[:, None] + torch.minimum(offs[None, :], nd[:, None])  # (B, K+1)
+
+            def padded(x: torch.Tensor) -> torch.Tensor:
+                return x[row_idx]
+        argmax = padded(fast_argmax(target_logits))  # (B, K+1)
+        ids = torch.tensor([[*d, *([0] * (kmax - len(d)))] for d in draft_ids], dtype=torch.long,
+                           device=device).view(bsz, kmax)
         q = None
         if draft_probs is not None:
-            q = torch.zeros((bsz, kmax, v), device=device)
-            for i, dp in enumerate(draft_probs):
-                if dp is not None and dp.shape[0]:
-                    q[i, : dp.shape[0]] = dp
+            if even and kmax and all(dp is not None and dp.shape[0] == kmax for dp in draft_probs):
+                q = torch.stack(draft_probs)  # type: ignore[arg-type]
+            else:
+                q = torch.zeros((bsz, kmax, v), device=device)
+                for i, dp in enumerate(draft_probs):
+                    if dp is not None and dp.shape[0]:
+                        q[i, : dp.shape[0]] = dp
         uniform = torch.rand((bsz, kmax), generator=self.generator, device=device)
         final_u = torch.rand((bsz,), generator=self.generator, device=device, dtype=torch.float64)
-        for i, g in enumerate(generators):
-            if g is not None:
-                # Exactly this request's k + 1 uniforms, not the batch's maximum: what a seeded
-                # request draws must not depend on what shares its batch.
-                if num_drafts[i]:
-                    uniform[i, : num_drafts[i]] = torch.rand((num_drafts[i],), generator=g, device=device)
-                final_u[i] = torch.rand((1,), generator=g, device=device, dtype=torch.float64)[0]
-        target_probs = filtered_probs(target_logits, st.repeat_rows(counts))[row_idx]  # (B, K+1, V)
-        num_acc, final = rejection_sample_probs(target_probs, q, ids, nd, st.greedy, argmax, uniform, final_u)
-        out = []
-        for i, (m, f) in enumerate(zip(num_acc.tolist(), final.tolist())):
-            out.append([*draft_ids[i][:m], f])
+        flat_probs = filtered_probs(target_logits, st.repeat_rows(counts))  # (rows, V)
+        num_acc, final = self.verify(padded(flat_probs), q, ids, nd, st.greedy, argmax, uniform, final_u)
+        out = [[*d[:m], f] for d, m, f in zip(draft_ids, num_acc.tolist(), final.tolist())]
+        if any(s is not None for s in seeded):
+            raced = self.seeded_rows(target_logits, flat_probs, num_drafts, draft_ids, seeded, greedy)
+            out = [r if s is not None else o for o, r, s in zip(out, raced, seeded)]
+        return out
+
+    def seeded_rows(self, target_logits: torch.Tensor, probs: torch.Tensor, num_drafts: list[int],
+                    draft_ids: list[list[int]], seeded: list[tuple[int, int] | None],
+                    greedy: list[bool]) -> list[list[int]]:
+        """Greedy rows by argmax equality; seeded rows by their race: at each verified row
+        the winner under p with the position's noise (``SeededNoise``), drafts kept while
+        they equal it, then the winner at the first difference (or the bonus row). That is
+        plain sampling's token at every position, whatever the drafts: exact, and the same
+        output as speculation off. (Unseeded non-greedy rows are not computed here.)"""
+        out = greedy_rows(target_logits, num_drafts, draft_ids)
+        keys, rows, row = [], [], 0
+        for k, s in zip(num_drafts, seeded):
+            if s is not None:
+                keys.extend(seeded_key(s[0], s[1] + j) for j in range(k + 1))
+                rows.extend(range(row, row + k + 1))
+            row += k + 1
+        if not rows:
+            return out
+        idx = torch.tensor(rows, device=probs.device)
+        winners = race(probs[idx], self.noise.rows(keys)).tolist()
+        at = 0
+        for i, (k, s) in enumerate(zip(num_drafts, seeded)):
+            if s is None or greedy[i]:
+                at += (k + 1) if s is not None else 0
+                continue
+            w, d = winners[at : at + k + 1], draft_ids[i]
+            m = 0
+            while m < k and d[m] == w[m]:
+                m += 1
+            out[i] = [*d[:m], w[m]]
+            at += k + 1
         return out
 
 

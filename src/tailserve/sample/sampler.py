@@ -1,12 +1,19 @@
 """Token sampling for a batch: greedy, temperature, top-k, top-p, min-p, per-request seeds.
 
 Parameters are turned into tensors once per batch on the host; the sampling itself is a
-few tensor ops and an all-greedy fast path. A row is drawn by inverting its cumulative
-distribution at one uniform number (``sample_from_probs``), drawn from the request's own
-generator when it is seeded, so its tokens do not depend on what else shares the batch.
-One number per row, not one per vocabulary entry: the exponential race this replaced drew
-V exponentials per row, 0.44 ms for 4 x 4096 on a 2-core CPU, more than the whole
-filtered softmax.
+few tensor ops and an all-greedy fast path. An unseeded row is drawn by inverting its cumulative
+distribution at one uniform number (``sample_from_probs``): one number per row, not one per
+vocabulary entry (an exponential race draws V of them, 0.44 ms for 4 x 4096 on a 2-core
+CPU, more than the whole filtered softmax).
+
+A seeded request's token at sequence position t is the winner of an exponential race,
+argmax_x p(x) / E_t(x), with E_t ~ Exp(1)^V drawn from a generator keyed by (seed, t) alone
+(``SeededNoise``): exact sampling from p, and a function of the request's own seed, position
+and distribution only, so its tokens depend neither on what shares its batch nor on how
+they were computed. Speculative decoding uses the same race (the draft proposes the winner
+under q, the target's verification keeps drafts while they equal the winner under p:
+a Gumbel coupling), so a seeded request's output is the same with speculation on or off, at
+any k and any batch, and a preempted request recomputes exactly what it had.
 
 top-k / top-p keep the logits at or above each row's cut-off. On the CPU with the compiled
 kernels the cut-off comes from a quickselect (kernels/cpu), not from a sort of the
@@ -142,15 +149,50 @@ def filtered_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     return probs
 
 
-def row_uniforms(n: int, generators: list[torch.Generator | None], default: torch.Generator | None,
-                 device: torch.device) -> torch.Tensor:
-    """(n,) U[0, 1), float64; row i drawn from generators[i] when it is set (a seeded
-    request draws exactly one number per sampled token, whatever shares its batch)."""
-    u = torch.rand((n,), generator=default, device=device, dtype=torch.float64)
-    for i, g in enumerate(generators):
-        if g is not None:
-            u[i] = torch.rand((1,), generator=g, device=device, dtype=torch.float64)[0]
-    return u
+_MASK64 = (1 << 64) - 1
+
+
+def seeded_key(seed: int, position: int) -> int:
+    """The generator seed for the token at sequence ``position`` of a request seeded with
+    ``seed``: splitmix64's finaliser over both, so neighbouring positions and seeds get
+    unrelated streams."""
+    x = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + 1) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1  # 63 bits: manual_seed takes any int, keep it non-negative
+
+
+class SeededNoise:
+    """Exp(1) draws over the vocabulary, one row per key (``seeded_key``), for the seeded
+    requests' exponential race. One generator re-seeded per row: the noise of a position is
+    the same wherever and whenever it is drawn (the draft's proposal, the verification, a
+    plain decode step, a recompute after preemption)."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.generator = torch.Generator(device=device)
+
+    def rows(self, keys: list[int]) -> torch.Tensor:
+        """(len(keys), V) float32 Exp(1)."""
+        out = torch.empty((len(keys), self.vocab_size), device=self.device)
+        for i, key in enumerate(keys):
+            self.generator.manual_seed(key)
+            # -log U: U = 0 gives +inf, a race that token cannot win (it still can where p
+            # is all zero but that one, which a softmax never produces).
+            torch.rand((self.vocab_size,), generator=self.generator, device=self.device, out=out[i])
+        return out.log_().neg_()
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """(N, V) probabilities, (N, V) Exp(1) -> (N,) argmax p / E: a draw from p (the
+    exponential race; ties have probability zero)."""
+    return (probs / noise).argmax(dim=-1)
+
+
+def row_uniforms(n: int, default: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """(n,) U[0, 1), float64, for the unseeded rows' inverse-CDF draws."""
+    return torch.rand((n,), generator=default, device=device, dtype=torch.float64)
 
 
 def sample_from_probs(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -170,15 +212,20 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.kernels = kernels  # the compiled CPU kernels' cut-offs, where the execution plan runs them
+        self.noise = SeededNoise(vocab_size, device)
 
-    def sample(self, logits: torch.Tensor, st: SamplingTensors,
-               generators: list[torch.Generator | None]) -> torch.Tensor:
-        """(N, V) logits -> (N,) token ids."""
+    def sample(self, logits: torch.Tensor, st: SamplingTensors, seeded: list[int | None]) -> torch.Tensor:
+        """(N, V) logits -> (N,) token ids. ``seeded[i]``: row i's ``seeded_key`` (its request's
+        seed and the position sampled), or None for an unseeded row."""
         greedy_tokens = fast_argmax(logits)
         if st.all_greedy:
             return greedy_tokens
         probs = filtered_probs(logits, st)
-        sampled = sample_from_probs(probs, row_uniforms(len(generators), generators, self.generator, probs.device))
+        sampled = sample_from_probs(probs, row_uniforms(len(seeded), self.generator, probs.device))
+        rows = [i for i, key in enumerate(seeded) if key is not None]
+        if rows:
+            idx = torch.tensor(rows, device=probs.device)
+            sampled[idx] = race(probs[idx], self.noise.rows([seeded[i] for i in rows]))  # type: ignore[misc]
         return torch.where(st.greedy, greedy_tokens, sampled)
 
     @staticmethod

@@ -18,7 +18,8 @@ from tailserve.attention.backend import AttentionBackend, upcasts_attention
 from tailserve.attention.reference import build_attention_metadata, decode_metadata
 from tailserve.model.config import ModelArchConfig
 from tailserve.model.llama import LlamaFamilyModel
-from tailserve.sample.sampler import SamplingTensors, fast_argmax, filtered_probs, row_uniforms, sample_from_probs
+from tailserve.sample.sampler import (SamplingTensors, SeededNoise, fast_argmax, filtered_probs, race, row_uniforms,
+                                      sample_from_probs, seeded_key)
 from tailserve.sampling_params import SamplingParams
 from tailserve.speculative.draft_step import DraftStep, NumpyStepAdapter, TorchDraftStep
 from tailserve.speculative.numpy_draft import NumpyDraftStep
@@ -36,7 +37,7 @@ class ProposalInput:
     block_ids: list[int]
     k: int
     params: SamplingParams
-    generator: torch.Generator | None
+    seed: int | None  # a seeded sampled request's seed: its drafts are its races' winners under q
 
 
 @dataclass
@@ -161,6 +162,7 @@ class DraftModelProposer:
         # metadata, and for the chain the slot tables computed once per round.
         self.attn_backend = attn_backend
         self.block_size, self.device, self.generator = block_size, device, generator
+        self.noise = SeededNoise(arch.vocab_size, device)  # seeded rows' races (sample/sampler.py)
         self.sampling_kernels = sampling_kernels  # kernels.cpu.CpuKernels where the plan runs them
         self.stop_margin = stop_margin
         self.upcast = upcasts_attention(device)
@@ -370,8 +372,16 @@ class DraftModelProposer:
                                         self.sampling_kernels)
         q = filtered_probs(logits, st)  # (N, V)
         greedy_tok = fast_argmax(logits)
-        u = row_uniforms(len(active), [i.generator for i in active], self.generator, self.device)
-        tokens = torch.where(st.greedy, greedy_tok, sample_from_probs(q, u)).tolist()
+        sampled = sample_from_probs(q, row_uniforms(len(active), self.generator, self.device))
+        seeded = [row for row, i in enumerate(active) if i.seed is not None and not i.params.greedy]
+        if seeded:
+            # A seeded row proposes its race's winner under q with the noise of the position
+            # the draft would take: verification races p with the same noise (a coupling).
+            keys = [seeded_key(active[r].seed, len(active[r].all_token_ids) + len(drafts[active[r].request_id]))
+                    for r in seeded]  # type: ignore[arg-type]
+            idx = torch.tensor(seeded, device=self.device)
+            sampled[idx] = race(q[idx], self.noise.rows(keys))
+        tokens = torch.where(st.greedy, greedy_tok, sampled).tolist()
         if stop:
             # Greedy rows' q is the plain softmax: the same margin as the all-greedy path.
             top = q.topk(2, dim=-1).values

@@ -160,13 +160,6 @@ class SuffixCache:
         return _walk(tokens, ends, pattern, k, self.cfg)
 
 
-def _may_use_global(inp: ProposalInput) -> bool:
-    """A seeded sampled request drafts from its own text only: the global cache holds whatever
-    other requests finished before (timing), and a draft changes which random numbers the
-    request draws, so its output would depend on them. Greedy output never depends on drafts."""
-    return inp.params.greedy or inp.params.seed is None
-
-
 class SuffixProposer:
     """Suffix decoding: the request's own text and the global cache, the better draft."""
 
@@ -179,14 +172,14 @@ class SuffixProposer:
         self.num_global_drafts = 0  # rounds whose draft came from the global cache
         self.num_local_drafts = 0
 
-    def propose_one(self, tokens: list[int], k: int, use_global: bool = True) -> list[int]:
+    def propose_one(self, tokens: list[int], k: int) -> list[int]:
         if k <= 0 or not tokens:
             return []
         arr = np.asarray(tokens, dtype=np.int64)
         pattern = arr[-self.cfg.max_depth:]
         ends = np.flatnonzero(arr[:-1] == arr[-1])  # earlier occurrences, each with a successor
         local, local_score = _walk(arr, ends, pattern, k, self.cfg) if ends.size else ([], 0.0)
-        glob, glob_score = self.cache.draft(pattern, k) if use_global else ([], 0.0)
+        glob, glob_score = self.cache.draft(pattern, k)
         if glob_score > local_score:
             self.num_global_drafts += 1
             return glob
@@ -195,7 +188,7 @@ class SuffixProposer:
         return local
 
     def propose_input(self, inp: ProposalInput) -> list[int]:
-        return self.propose_one(inp.all_token_ids[: inp.num_valid], inp.k, _may_use_global(inp))
+        return self.propose_one(inp.all_token_ids[: inp.num_valid], inp.k)
 
     def propose(self, inputs: list[ProposalInput]) -> Proposal:
         drafts = {i.request_id: self.propose_input(i) for i in inputs}
