@@ -82,9 +82,9 @@ def never_slower_matrix(args: argparse.Namespace) -> dict:
     from tailserve.engine.plan import detect_capabilities
 
     caps = detect_capabilities(torch.device("cpu"))
-    print(f"CPU: {caps.cpu_capability}; {torch.get_num_threads()} threads", flush=True)
+    print(f"CPU: {caps.cpu_capability}; {torch.get_num_threads()} threads; dtype {args.dtype or 'auto'}", flush=True)
     prompts = held_out_prompts(32)
-    common = dict(dtype=args.dtype, kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False)
+    common = dict(dtype=args.dtype or "auto", kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False)
     spec = {"speculative_model": args.draft or str(DEFAULT_DRAFT_DIR),
             "speculative_verification": args.verification}
     batches, temps = (1, 4, 16), (0.0, 0.8)
@@ -121,7 +121,7 @@ def never_slower_matrix(args: argparse.Namespace) -> dict:
             print(f"round {r + 1}: batch {b:>2} t={t} {'seeded' if seeded else 'unseeded':<8} "
                   + "  ".join(f"{run} {rates[(b, t, seeded, run, 'adaptive')][-1] / rates[(b, t, seeded, run, 'off')][-1]:.2f}x"
                               for run in ("short", "long")), flush=True)
-    out = {"cpu": caps.cpu_capability, "verification": args.verification, "cells": []}
+    out = {"cpu": caps.cpu_capability, "dtype": args.dtype or "auto", "verification": args.verification, "cells": []}
     print(f"\nadaptive / off, median of {args.runs} rounds (end-to-end tok/s; {caps.cpu_capability}):")
     print(f"{'batch':>5} {'temp':>5} {'seed':>8} | {'short':>6} {'long':>6} | off tok/s short/long | drafted share accepted")
     worst = float("inf")
@@ -149,7 +149,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=None, help="rounds (default 2; 3 with --matrix)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16; auto (what users get) with --matrix")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--draft", default=None, help="draft checkpoint folder (default: the built-in draft)")
     ap.add_argument("--draft-dtype", default="auto", help="tailserve's draft dtype (auto: the target's)")
@@ -163,6 +163,7 @@ def main() -> None:
             pathlib.Path(args.json).write_text(json.dumps(result, indent=2))
         return
     args.runs = args.runs or 2
+    args.dtype = args.dtype or "bfloat16"
     prompts = held_out_prompts(args.prompts)
     new = args.new_tokens
     common = dict(dtype=args.dtype, kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False)

@@ -72,6 +72,18 @@ def test_choose_k_speculates_when_verification_is_free_and_stops_when_it_is_not(
     assert ctl2.choose_k(64) == 0
 
 
+def test_k_stays_within_the_verify_row_limit():
+    """A target whose verification looks free would draft the cap at any batch; with the
+    plan's 16-row limit k <= 16 // b - 1, and at 16 decoding requests nothing is drafted
+    (nor explored). Without the limit the same figures draft the cap everywhere."""
+    for max_rows, expected in ((16, [8, 3, 1, 0, 0]), (None, [8, 8, 8, 8, 8])):
+        ctl = AdaptiveSpeculation(k_max=8, explore_every=10**9, max_rows=max_rows)
+        for _ in range(40):
+            ctl.observe_round(8, 8, cap=8)
+        _feed_costs(ctl, (3e-3, 1e-9), (1e-5, 1e-9))
+        assert [ctl.choose_k(b) for b in (1, 4, 8, 9, 16)] == expected
+
+
 def test_a_fixed_k_is_kept():
     ctl = AdaptiveSpeculation(k_max=4, fixed_k=3)
     _feed_costs(ctl, (3e-3, 1e-3), (5e-4, 1e-5))

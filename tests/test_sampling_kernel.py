@@ -57,3 +57,30 @@ def test_an_engine_on_the_cpu_uses_the_kernel():
     # The same cut-offs, so the same seeded tokens.
     with_kernel, without = (e.generate(["def f(x):"], p)[0].outputs[0].token_ids for e in (llm, off))
     assert with_kernel == without
+
+
+@pytest.mark.parametrize("v", [5, 4096, 50_000])
+def test_seeded_race_kernel_picks_the_formulas_winner(v):
+    """The compiled race skips the logarithm for tokens that cannot win: the same winners as
+    the PyTorch formula, rows with zeros (filtered tokens) included."""
+    from tailserve.sample.sampler import SeededNoise, seeded_key
+
+    g = torch.Generator().manual_seed(v)
+    probs = torch.softmax(torch.randn(64, v, generator=g) * 3, -1)
+    probs[::3, : v // 2] = 0.0  # top-k / top-p cut-offs leave zeros
+    keys = [seeded_key(11, i) for i in range(64)]
+    cpu = torch.device("cpu")
+    assert torch.equal(SeededNoise(v, cpu, K).race(probs, keys), SeededNoise(v, cpu).race(probs, keys))
+
+
+def test_seeded_race_draws_from_p():
+    """Over positions (keys), the winner's frequencies follow p (chi-square)."""
+    from test_rejection_sampler import chi2_pvalue
+
+    from tailserve.sample.sampler import SeededNoise, seeded_key
+
+    p = torch.tensor([0.45, 0.25, 0.15, 0.1, 0.04, 0.01, 0.0])
+    race = SeededNoise(7, torch.device("cpu"), K).race
+    winners = torch.cat([race(p.expand(500, 7), [seeded_key(3, 500 * b + i) for i in range(500)])
+                         for b in range(60)])
+    assert chi2_pvalue(torch.bincount(winners, minlength=7).double(), p.double()) > 1e-3

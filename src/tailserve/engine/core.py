@@ -81,7 +81,8 @@ class EngineCore:
         self.block_pool = BlockPool(info.num_blocks, config.block_size, config.enable_prefix_caching)
         if speculation is None and info.has_proposer:
             speculation = AdaptiveSpeculation(k_max=config.num_speculative_tokens or config.speculative_max_tokens,
-                                              fixed_k=config.num_speculative_tokens)
+                                              fixed_k=config.num_speculative_tokens,
+                                              max_rows=info.plan.max_verify_rows)
         self.scheduler = Scheduler(config.scheduler_config, self.block_pool, speculation)
         self.step_log: deque[StepStats] = deque(maxlen=4096)
         self.num_steps = 0

@@ -26,6 +26,7 @@ import torch
 from tailserve.config import EngineConfig, decode_graph_batch_sizes
 from tailserve.errors import ConfigError
 from tailserve.model.config import ModelArchConfig, parse_dtype
+from tailserve.model.llama import FusedDecodeLayer
 from tailserve.platform_info import cpu_flags, resolve_auto_dtype
 from tailserve.speculative.numpy_draft import NUMPY_DRAFT_MAX_PARAMETERS
 
@@ -169,6 +170,12 @@ class TargetPlan:
     grammar_overlap_min_rows: int = 1
     grammar_masks_parallel: bool = False
     grammar_masks_reason: str = ""
+    # Speculative decoding: the most rows (decoding requests x (1 + k)) the adaptive controller
+    # lets a verification step take (None: no limit). Past the fused decode layer's rows the
+    # target falls to the general path, a cliff no cost line fits: measured on the built-in
+    # pair (AVX2), k = 16 at batch 1 (17 rows) gave 1.48x where k = 12 gave 3.77x.
+    max_verify_rows: int | None = None
+    max_verify_rows_reason: str = ""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -187,6 +194,7 @@ class TargetPlan:
             "grammar_masks": f"beside the forward from {self.grammar_overlap_min_rows} rows"
                              f"{', on llguidance threads' if self.grammar_masks_parallel else ''} "
                              f"({self.grammar_masks_reason})",
+            "verify_rows": f"{self.max_verify_rows or 'any'} ({self.max_verify_rows_reason})",
         }
         if self.draft is not None:
             out["draft"] = self.draft.describe()
@@ -295,9 +303,13 @@ def plan_target(config: EngineConfig, arch: ModelArchConfig, device: torch.devic
     min_rows = 1 if gpu else 4
     masks_why = ("the host waits on the device meanwhile" if gpu
                  else "on the CPU a hand-off costs more than one or two requests' masks")
+    if model.fuse_decode_layers:
+        rows, rows_why = FusedDecodeLayer.MAX_ROWS, "the fused decode layer's rows: adaptive k stays within them"
+    else:
+        rows, rows_why = None, "no fused decode layer"
     return TargetPlan(device, model, sizes, why, kernels, sampler_why, caps.cpu_capability,
                       grammar_overlap_min_rows=min_rows, grammar_masks_parallel=gpu,
-                      grammar_masks_reason=masks_why)
+                      grammar_masks_reason=masks_why, max_verify_rows=rows, max_verify_rows_reason=rows_why)
 
 
 def uses_draft_model(config: EngineConfig) -> bool:

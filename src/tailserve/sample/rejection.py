@@ -34,15 +34,15 @@ the target's race winner 66% of the time, against sum min(p, q) = 70% for the re
 rule) and buys outputs that no k, batch or load can change.
 
 Everything is batched over requests and positions: no Python loop over either, except the
-seeded rows' noise (one generator re-seeded per position) and their accept walk.
+seeded rows' accept walk.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tailserve.sample.sampler import (SamplingTensors, SeededNoise, fast_argmax, filtered_probs, race,
-                                      sample_from_probs, seeded_key)
+from tailserve.sample.sampler import (SamplingTensors, SeededNoise, fast_argmax, filtered_probs, sample_from_probs,
+                                      seeded_key)
 
 
 def acceptance_probability(px: torch.Tensor, qx: torch.Tensor) -> torch.Tensor:
@@ -252,7 +252,7 @@ class RejectionSampler:
         if not rows:
             return out
         idx = torch.tensor(rows, device=probs.device)
-        winners = race(probs[idx], self.noise.rows(keys)).tolist()
+        winners = self.noise.race(probs[idx], keys).tolist()
         at = 0
         for i, (k, s) in enumerate(zip(num_drafts, seeded)):
             if s is None or greedy[i]:

@@ -7,8 +7,8 @@ vocabulary entry (an exponential race draws V of them, 0.44 ms for 4 x 4096 on a
 CPU, more than the whole filtered softmax).
 
 A seeded request's token at sequence position t is the winner of an exponential race,
-argmax_x p(x) / E_t(x), with E_t ~ Exp(1)^V drawn from a generator keyed by (seed, t) alone
-(``SeededNoise``): exact sampling from p, and a function of the request's own seed, position
+argmax_x p(x) / E_t(x), with E_t ~ Exp(1)^V from a counter-based generator keyed by (seed, t) alone
+(``SeededNoise``, ``race_noise``): exact sampling from p, and a function of the request's own seed, position
 and distribution only, so its tokens depend neither on what shares its batch nor on how
 they were computed. Speculative decoding uses the same race (the draft proposes the winner
 under q, the target's verification keeps drafts while they equal the winner under p:
@@ -162,32 +162,47 @@ def seeded_key(seed: int, position: int) -> int:
     return (x ^ (x >> 31)) >> 1  # 63 bits: manual_seed takes any int, keep it non-negative
 
 
-class SeededNoise:
-    """Exp(1) draws over the vocabulary, one row per key (``seeded_key``), for the seeded
-    requests' exponential race. One generator re-seeded per row: the noise of a position is
-    the same wherever and whenever it is drawn (the draft's proposal, the verification, a
-    plain decode step, a recompute after preemption)."""
+_MASK32 = 0xFFFFFFFF
 
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser on int64 tensors holding 32-bit values."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _MASK32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _MASK32
+    return h ^ (h >> 16)
+
+
+def race_noise(keys: list[int], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """(len(keys), V) float64 Exp(1) draws, E[x] = -log u[x] with u[x] = (fmix32(fmix32(x ^
+    hi) + lo) + 0.5) / 2^32 (lo, hi: the key's 32-bit halves): a counter-based generator, so
+    any position's noise is computed where it is needed, identically on every device."""
+    k = torch.tensor(keys, dtype=torch.int64, device=device)
+    lo, hi = (k & _MASK32)[:, None], ((k >> 32) & _MASK32)[:, None]
+    x = torch.arange(vocab_size, dtype=torch.int64, device=device)[None, :]
+    h = _fmix32((_fmix32(x ^ hi) + lo) & _MASK32)
+    return -torch.log((h.double() + 0.5) * 2.0**-32)
+
+
+class SeededNoise:
+    """The seeded rows' exponential races: per row, argmax_x p(x) / E(x) with the noise of
+    that row's key (``seeded_key``; ``race_noise``). The noise of a position is the same
+    wherever and whenever it is drawn (the draft's proposal, the verification, a plain decode
+    step, a recompute after preemption). On the CPU with the compiled kernels one pass per
+    row that takes a logarithm only for the few tokens that could still win
+    (``CpuKernels.seeded_race``, the same winners); elsewhere the formula in PyTorch."""
+
+    def __init__(self, vocab_size: int, device: torch.device, kernels: CpuKernels | None = None) -> None:
         self.vocab_size = vocab_size
         self.device = device
-        self.generator = torch.Generator(device=device)
+        self.kernels = kernels
 
-    def rows(self, keys: list[int]) -> torch.Tensor:
-        """(len(keys), V) float32 Exp(1)."""
-        out = torch.empty((len(keys), self.vocab_size), device=self.device)
-        for i, key in enumerate(keys):
-            self.generator.manual_seed(key)
-            # -log U: U = 0 gives +inf, a race that token cannot win (it still can where p
-            # is all zero but that one, which a softmax never produces).
-            torch.rand((self.vocab_size,), generator=self.generator, device=self.device, out=out[i])
-        return out.log_().neg_()
-
-
-def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """(N, V) probabilities, (N, V) Exp(1) -> (N,) argmax p / E: a draw from p (the
-    exponential race; ties have probability zero)."""
-    return (probs / noise).argmax(dim=-1)
+    def race(self, probs: torch.Tensor, keys: list[int]) -> torch.Tensor:
+        """(N, V) probabilities (any positive scale per row), N keys -> (N,) winners."""
+        if self.kernels is not None and probs.dtype == torch.float32 and probs.device.type == "cpu":
+            return self.kernels.seeded_race(probs.contiguous(), keys)
+        return (probs.double() / race_noise(keys, probs.shape[-1], probs.device)).argmax(dim=-1)
 
 
 def row_uniforms(n: int, default: torch.Generator | None, device: torch.device) -> torch.Tensor:
@@ -212,7 +227,7 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.kernels = kernels  # the compiled CPU kernels' cut-offs, where the execution plan runs them
-        self.noise = SeededNoise(vocab_size, device)
+        self.noise = SeededNoise(vocab_size, device, kernels)
 
     def sample(self, logits: torch.Tensor, st: SamplingTensors, seeded: list[int | None]) -> torch.Tensor:
         """(N, V) logits -> (N,) token ids. ``seeded[i]``: row i's ``seeded_key`` (its request's
@@ -225,7 +240,7 @@ class Sampler:
         rows = [i for i, key in enumerate(seeded) if key is not None]
         if rows:
             idx = torch.tensor(rows, device=probs.device)
-            sampled[idx] = race(probs[idx], self.noise.rows([seeded[i] for i in rows]))  # type: ignore[misc]
+            sampled[idx] = self.noise.race(probs[idx], [seeded[i] for i in rows]).to(sampled.device)  # type: ignore[misc]
         return torch.where(st.greedy, greedy_tokens, sampled)
 
     @staticmethod

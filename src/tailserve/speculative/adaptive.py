@@ -111,6 +111,9 @@ class _Share:
 class AdaptiveSpeculation:
     k_max: int = 8
     fixed_k: int | None = None
+    # The most rows (decoding requests x (1 + k)) a verification step may take (the plan's
+    # max_verify_rows; None: no limit): k <= max_rows // b - 1 at b decoding requests.
+    max_rows: int | None = None
     explore_every: int = 24
     acceptance_prior: float = 0.6
     forget: float = 0.98
@@ -253,6 +256,12 @@ class AdaptiveSpeculation:
         self._prev_k, self.last_k, self._last_b = self.last_k, k, num_decoding
         return k
 
+    def k_cap(self, num_decoding: int) -> int:
+        """The largest k allowed at ``num_decoding`` decoding requests."""
+        if self.max_rows is None:
+            return self.k_max
+        return max(0, min(self.k_max, self.max_rows // max(num_decoding, 1) - 1))
+
     def choose_k(self, num_decoding: int) -> int:
         if self.fixed_k is not None:
             self.last_k = self.fixed_k
@@ -260,12 +269,15 @@ class AdaptiveSpeculation:
         self._steps += 1
         if num_decoding <= 0:
             return 0
+        cap = self.k_cap(num_decoding)
+        if cap == 0:
+            return self._set(0, num_decoding)  # no k fits the rows: nothing to explore either
         if not (self.target_cost.ready and self.draft_cost.ready):
-            return self._set(max(1, self.k_max // 2), num_decoding)  # bootstrap: measure both models
+            return self._set(min(cap, max(1, self.k_max // 2)), num_decoding)  # bootstrap: measure both models
         if self._explore_left > 0:
             self._explore_left -= 1
-            return self._set(self._explore_k, num_decoding)
-        model_k, best_pos = self._model_choice(num_decoding)
+            return self._set(min(self._explore_k, cap), num_decoding)
+        model_k, best_pos = self._model_choice(num_decoding, cap)
         bkt = self.bucket(num_decoding)
         since = self._since_explore.get(bkt, 0) + 1
         self._since_explore[bkt] = since
@@ -276,7 +288,7 @@ class AdaptiveSpeculation:
             turn = self._explore_turn % 3
             self._explore_turn += 1
             self._explore_k = 0 if turn == 0 else best_pos if turn == 1 else \
-                self._rng.randint(0, min(self.k_max, best_pos + 1))
+                self._rng.randint(0, min(cap, best_pos + 1))
             self._explore_left = self.explore_len - 1
             self._judge_bucket = bkt
             return self._set(self._explore_k, num_decoding)
@@ -298,8 +310,9 @@ class AdaptiveSpeculation:
             self._judge_bucket = None
         return self._set(k, num_decoding)
 
-    def _model_choice(self, num_decoding: int) -> tuple[int, int]:
-        """(the cost model's best k, its best k > 0)."""
+    def _model_choice(self, num_decoding: int, cap: int | None = None) -> tuple[int, int]:
+        """(the cost model's best k, its best k > 0), k <= cap (default: ``k_cap``)."""
+        cap = self.k_cap(num_decoding) if cap is None else cap
         b = num_decoding
         other = self.step_overhead_s
         t_alpha, t_beta = self.target_cost.params()
@@ -307,7 +320,7 @@ class AdaptiveSpeculation:
         draft_step = d_alpha + d_beta * b
         best_k, best_rate = 0, b / (t_alpha + t_beta * b + other)
         best_pos, best_pos_rate = 1, 0.0
-        for k, (tokens, drafts) in enumerate(self._all_round_figures(self.k_max), start=1):
+        for k, (tokens, drafts) in enumerate(self._all_round_figures(cap), start=1):
             # The chain runs while any row drafts: one row's own count of forwards, drifting
             # to the cap as the batch grows.
             forwards = drafts + (k - drafts) * (1.0 - 1.0 / b)

@@ -18,7 +18,7 @@ from tailserve.attention.backend import AttentionBackend, upcasts_attention
 from tailserve.attention.reference import build_attention_metadata, decode_metadata
 from tailserve.model.config import ModelArchConfig
 from tailserve.model.llama import LlamaFamilyModel
-from tailserve.sample.sampler import (SamplingTensors, SeededNoise, fast_argmax, filtered_probs, race, row_uniforms,
+from tailserve.sample.sampler import (SamplingTensors, SeededNoise, fast_argmax, filtered_probs, row_uniforms,
                                       sample_from_probs, seeded_key)
 from tailserve.sampling_params import SamplingParams
 from tailserve.speculative.draft_step import DraftStep, NumpyStepAdapter, TorchDraftStep
@@ -162,7 +162,7 @@ class DraftModelProposer:
         # metadata, and for the chain the slot tables computed once per round.
         self.attn_backend = attn_backend
         self.block_size, self.device, self.generator = block_size, device, generator
-        self.noise = SeededNoise(arch.vocab_size, device)  # seeded rows' races (sample/sampler.py)
+        self.noise = SeededNoise(arch.vocab_size, device, sampling_kernels)  # seeded rows' races (sample/sampler.py)
         self.sampling_kernels = sampling_kernels  # kernels.cpu.CpuKernels where the plan runs them
         self.stop_margin = stop_margin
         self.upcast = upcasts_attention(device)
@@ -380,7 +380,7 @@ class DraftModelProposer:
             keys = [seeded_key(active[r].seed, len(active[r].all_token_ids) + len(drafts[active[r].request_id]))
                     for r in seeded]  # type: ignore[arg-type]
             idx = torch.tensor(seeded, device=self.device)
-            sampled[idx] = race(q[idx], self.noise.rows(keys))
+            sampled[idx] = self.noise.race(q[idx], keys).to(sampled.device)
         tokens = torch.where(st.greedy, greedy_tok, sampled).tolist()
         if stop:
             # Greedy rows' q is the plain softmax: the same margin as the all-greedy path.

@@ -94,6 +94,10 @@ class CpuKernels:
         self._bitmask.argtypes = [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 3 \
             + [ctypes.c_int]
         self._bitmask.restype = None
+        self._race = lib.tailserve_seeded_race
+        self._race.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
+                               ctypes.c_void_p, ctypes.c_int]
+        self._race.restype = None
 
     def sampling_cutoffs(self, logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         """Per row of float32 logits (N, V): the smallest logit that survives top-k (int64
@@ -119,6 +123,17 @@ class CpuKernels:
         r, w = bitmask.shape
         self._bitmask(logits.data_ptr(), logits.stride(0), rows.data_ptr(), bitmask.data_ptr(), r, logits.shape[1],
                       w, torch.get_num_threads())
+
+    def seeded_race(self, probs: torch.Tensor, keys: list[int]) -> torch.Tensor:
+        """Per row of float32 probabilities (N, V) the winner of its exponential race with
+        the noise of ``keys[row]`` (``sample.sampler.race_noise``'s formula): (N,) int64."""
+        if probs.dtype != torch.float32 or probs.dim() != 2 or probs.stride(1) != 1:
+            raise ValueError("seeded_race takes float32 (N, V) probabilities with unit stride on V")
+        n, v = probs.shape
+        k = torch.tensor(keys, dtype=torch.int64)  # 63-bit keys: the same bits as uint64
+        out = torch.empty(n, dtype=torch.int64)
+        self._race(probs.data_ptr(), probs.stride(0), k.data_ptr(), n, v, out.data_ptr(), torch.get_num_threads())
+        return out
 
     def paged_decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor, scale: float,

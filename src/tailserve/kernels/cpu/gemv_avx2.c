@@ -655,3 +655,41 @@ void tailserve_apply_token_bitmask(float* logits, long stride, const int64_t* ro
         }
     }
 }
+
+/* Seeded sampling's exponential race (sample/sampler.py, SeededNoise): per row r the token
+ * x maximising p[x] / E[x], E[x] = -log(u[x]) with u[x] = (fmix32(fmix32(x ^ hi) + lo) + 0.5)
+ * / 2^32 from the row's key (lo, hi = its 32-bit halves), first maximum on ties: the same
+ * winner as the PyTorch formula. Most tokens cannot win: p/E <= best <=> u <= exp(-p/best),
+ * implied by u <= 1 - p/best, a multiply and a compare with no logarithm; the scan starts
+ * from the most likely token so that best is large from the start. */
+static inline uint32_t tailserve_fmix32(uint32_t h) {
+    h ^= h >> 16; h *= 0x85ebca6bu; h ^= h >> 13; h *= 0xc2b2ae35u; h ^= h >> 16;
+    return h;
+}
+
+void tailserve_seeded_race(const float* probs, long stride, const uint64_t* keys, long N, long V,
+                           int64_t* out, int threads) {
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if(N * V > (1L << 20))")
+    for (long r = 0; r < N; r++) {
+        const float* p = probs + r * stride;
+        const uint32_t lo = (uint32_t)keys[r], hi = (uint32_t)(keys[r] >> 32);
+        long best = 0;
+        float pm = p[0];
+        for (long x = 1; x < V; x++) if (p[x] > pm) { pm = p[x]; best = x; }
+        double bestval = -1.0;
+        if (pm > 0.0f) {
+            double u = ((double)tailserve_fmix32(tailserve_fmix32((uint32_t)best ^ hi) + lo) + 0.5) * 0x1p-32;
+            bestval = (double)pm / -log(u);
+        }
+        double inv = bestval > 0 ? 1.0 / bestval : 0.0;
+        for (long x = 0; x < V; x++) {
+            const float px = p[x];
+            if (!(px > 0.0f)) continue;
+            const double u = ((double)tailserve_fmix32(tailserve_fmix32((uint32_t)x ^ hi) + lo) + 0.5) * 0x1p-32;
+            if (u + (double)px * inv <= 1.0) continue;  /* cannot beat best */
+            const double v = (double)px / -log(u);
+            if (v > bestval || (v == bestval && x < best)) { best = x; bestval = v; inv = 1.0 / v; }
+        }
+        out[r] = best;
+    }
+}
