@@ -118,12 +118,15 @@ def never_slower_matrix(args: argparse.Namespace) -> dict:
                             if drafted else float("nan"))
                     if run == "short":
                         llm.shutdown()
+            last = {run: rates[(b, t, seeded, run, "adaptive")][-1] / rates[(b, t, seeded, run, "off")][-1]
+                    for run in ("short", "long")}
             print(f"round {r + 1}: batch {b:>2} t={t} {'seeded' if seeded else 'unseeded':<8} "
-                  + "  ".join(f"{run} {rates[(b, t, seeded, run, 'adaptive')][-1] / rates[(b, t, seeded, run, 'off')][-1]:.2f}x"
-                              for run in ("short", "long")), flush=True)
-    out = {"cpu": caps.cpu_capability, "dtype": args.dtype or "auto", "verification": args.verification, "cells": []}
+                  + "  ".join(f"{run} {ratio:.2f}x" for run, ratio in last.items()), flush=True)
+    out = {"cpu": caps.cpu_capability, "dtype": args.dtype or "auto", "verification": args.verification,
+           "cells": []}
     print(f"\nadaptive / off, median of {args.runs} rounds (end-to-end tok/s; {caps.cpu_capability}):")
-    print(f"{'batch':>5} {'temp':>5} {'seed':>8} | {'short':>6} {'long':>6} | off tok/s short/long | drafted share accepted")
+    print(f"{'batch':>5} {'temp':>5} {'seed':>8} | {'short':>6} {'long':>6} | off tok/s short/long "
+          "| drafted share accepted")
     worst = float("inf")
     for b, t, seeded in cells:
         row = {"batch": b, "temperature": t, "seeded": seeded}
@@ -133,8 +136,8 @@ def never_slower_matrix(args: argparse.Namespace) -> dict:
             row[run] = {"off_tok_s": off, "adaptive_tok_s": ad, "ratio": ad / off,
                         "acceptance_rate": statistics.median(accept[(b, t, seeded, run)])}
             worst = min(worst, ad / off)
-        print(f"{b:>5} {t:>5} {'yes' if seeded else 'no':>8} | {row['short']['ratio']:>5.2f}x {row['long']['ratio']:>5.2f}x"
-              f" | {row['short']['off_tok_s']:>7.0f} / {row['long']['off_tok_s']:<7.0f}"
+        print(f"{b:>5} {t:>5} {'yes' if seeded else 'no':>8} | {row['short']['ratio']:>5.2f}x "
+              f"{row['long']['ratio']:>5.2f}x | {row['short']['off_tok_s']:>7.0f} / {row['long']['off_tok_s']:<7.0f}"
               f" | {row['short']['acceptance_rate']:.2f} / {row['long']['acceptance_rate']:.2f}")
         out["cells"].append(row)
     out["worst_ratio"] = worst

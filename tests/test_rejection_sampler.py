@@ -142,13 +142,13 @@ def _round_exact(p: dict, q: dict, prefix: tuple, rule: str, broken: bool = Fals
             for i in range(BK + 1):
                 if i == BK:
                     for y in range(BV):
-                        out[x + (y,)] = out.get(x + (y,), 0.0) + pr * stay * float(p[ctx[i]][y])
+                        out[(*x, y)] = out.get((*x, y), 0.0) + pr * stay * float(p[ctx[i]][y])
                     break
                 a = min(1.0, float(p[ctx[i]][x[i]] / q[ctx[i]][x[i]]))
                 res = (p[ctx[i]] - q[ctx[i]]).clamp_min(0)
                 res = res / res.sum() if res.sum() > 0 else p[ctx[i]]
                 for y in range(BV):
-                    out[x[:i] + (y,)] = out.get(x[:i] + (y,), 0.0) + pr * stay * (1 - a) * float(res[y])
+                    out[(*x[:i], y)] = out.get((*x[:i], y), 0.0) + pr * stay * (1 - a) * float(res[y])
                 stay *= a
             continue
         ps = [1.0]
@@ -170,7 +170,7 @@ def _round_exact(p: dict, q: dict, prefix: tuple, rule: str, broken: bool = Fals
             for j in range(tau + 1, BK + 1):
                 pt *= 1 - hs[j]
             for y in range(BV):
-                out[x[:tau] + (y,)] = out.get(x[:tau] + (y,), 0.0) + pr * pt * float(dists[tau][y])
+                out[(*x[:tau], y)] = out.get((*x[:tau], y), 0.0) + pr * pt * float(dists[tau][y])
     return out
 
 
@@ -229,12 +229,13 @@ def test_block_verify_probs_draws_the_papers_round_distribution(one_hot_draft):
         codes.append(codes[i] * BV + x[:, i])
     target_probs = torch.stack([table(p, i)[codes[i]] for i in range(BK + 1)], dim=1)  # (N, K+1, V)
     draft_probs = None if one_hot_draft else torch.stack([table(q, i)[codes[i]] for i in range(BK)], dim=1)
-    m, final = rs.block_verify_probs(target_probs, draft_probs, x, torch.full((N,), BK), torch.zeros(N, dtype=torch.bool),
-                                     target_probs.argmax(-1), torch.rand((N, BK), generator=gen),
+    m, final = rs.block_verify_probs(target_probs, draft_probs, x, torch.full((N,), BK),
+                                     torch.zeros(N, dtype=torch.bool), target_probs.argmax(-1),
+                                     torch.rand((N, BK), generator=gen),
                                      torch.rand((N,), generator=gen, dtype=torch.float64))
     exact = _round_exact(p, q, (), "block")
     keys = sorted(exact)
     index = {s: i for i, s in enumerate(keys)}
-    emitted = [index[tuple(r[:mm]) + (f,)] for r, mm, f in zip(x.tolist(), m.tolist(), final.tolist())]
+    emitted = [index[(*tuple(r[:mm]), f)] for r, mm, f in zip(x.tolist(), m.tolist(), final.tolist())]
     counts = torch.bincount(torch.tensor(emitted), minlength=len(keys)).double()
     assert chi2_pvalue(counts, torch.tensor([exact[s] for s in keys], dtype=torch.float64)) > ALPHA

@@ -75,12 +75,41 @@ def test_seeded_race_kernel_picks_the_formulas_winner(v):
 
 def test_seeded_race_draws_from_p():
     """Over positions (keys), the winner's frequencies follow p (chi-square)."""
-    from test_rejection_sampler import chi2_pvalue
-
     from tailserve.sample.sampler import SeededNoise, seeded_key
+    from test_rejection_sampler import chi2_pvalue
 
     p = torch.tensor([0.45, 0.25, 0.15, 0.1, 0.04, 0.01, 0.0])
     race = SeededNoise(7, torch.device("cpu"), K).race
     winners = torch.cat([race(p.expand(500, 7), [seeded_key(3, 500 * b + i) for i in range(500)])
                          for b in range(60)])
     assert chi2_pvalue(torch.bincount(winners, minlength=7).double(), p.double()) > 1e-3
+
+
+@pytest.mark.parametrize("block", [False, True])
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_compiled_verification_equals_the_pytorch_rules(block, one_hot):
+    """``CpuKernels.verify_drafts`` against ``rejection_sample_probs`` / ``block_verify_probs``
+    given the same random numbers: the same accepted counts and final tokens, ragged draft
+    counts (0 included) and one-hot drafts included."""
+    from tailserve.sample.rejection import block_verify_probs, rejection_sample_probs
+
+    g = torch.Generator().manual_seed(int(block) * 2 + int(one_hot))
+    for _ in range(40):
+        b, v = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(2, 40, (1,), generator=g))
+        nd = torch.randint(0, 5, (b,), generator=g)
+        kmax = int(nd.max())
+        p_rows = [torch.softmax(torch.randn(int(k) + 1, v, generator=g) * 2, -1) for k in nd]
+        q_rows = [torch.softmax(torch.randn(int(k), v, generator=g) * 2, -1) for k in nd]
+        ids = [torch.randint(0, v, (int(k),), generator=g).tolist() for k in nd]
+        u = [torch.rand(int(k), generator=g) for k in nd]
+        fu = torch.rand(b, generator=g, dtype=torch.float64)
+        tp, qp = torch.zeros(b, kmax + 1, v), torch.zeros(b, kmax, v)
+        idp, up = torch.zeros(b, kmax, dtype=torch.long), torch.zeros(b, kmax)
+        for i, k in enumerate(nd.tolist()):
+            tp[i, : k + 1], tp[i, k + 1 :] = p_rows[i], p_rows[i][-1]
+            qp[i, :k], idp[i, :k], up[i, :k] = q_rows[i], torch.tensor(ids[i], dtype=torch.long), u[i]
+        rule = block_verify_probs if block else rejection_sample_probs
+        m, final = rule(tp, None if one_hot else qp, idp, nd, torch.zeros(b, dtype=torch.bool), tp.argmax(-1), up, fu)
+        got = K.verify_drafts(torch.cat(p_rows), None if one_hot else torch.cat(q_rows), ids, nd.tolist(),
+                              torch.cat(u), fu, block)
+        assert got == (m.tolist(), final.tolist())

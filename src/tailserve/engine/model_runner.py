@@ -78,7 +78,8 @@ class ModelRunner:
         # The sampler (and its generator, which a draft model's proposer shares) is built first
         # by the worker when there is a proposer; a runner of its own otherwise.
         self.sampler = sampler or Sampler(arch.vocab_size, device, seed)
-        self.rejection_sampler = RejectionSampler(self.sampler.generator, self.sampler.noise, verification)
+        self.rejection_sampler = RejectionSampler(self.sampler.generator, self.sampler.noise, verification,
+                                                  self.sampler.kernels)
         # Benchmarks only (LOSSY): drafts accepted with this probability whatever the target says.
         self.synthetic_acceptance = synthetic_acceptance
         self.proposer = proposer

@@ -18,8 +18,15 @@ from tailserve.attention.backend import AttentionBackend, upcasts_attention
 from tailserve.attention.reference import build_attention_metadata, decode_metadata
 from tailserve.model.config import ModelArchConfig
 from tailserve.model.llama import LlamaFamilyModel
-from tailserve.sample.sampler import (SamplingTensors, SeededNoise, fast_argmax, filtered_probs, row_uniforms,
-                                      sample_from_probs, seeded_key)
+from tailserve.sample.sampler import (
+    SamplingTensors,
+    SeededNoise,
+    fast_argmax,
+    filtered_probs,
+    row_uniforms,
+    sample_from_probs,
+    seeded_key,
+)
 from tailserve.sampling_params import SamplingParams
 from tailserve.speculative.draft_step import DraftStep, NumpyStepAdapter, TorchDraftStep
 from tailserve.speculative.numpy_draft import NumpyDraftStep

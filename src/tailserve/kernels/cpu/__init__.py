@@ -98,6 +98,10 @@ class CpuKernels:
         self._race.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
                                ctypes.c_void_p, ctypes.c_int]
         self._race.restype = None
+        self._verify = lib.tailserve_verify_drafts
+        self._verify.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 4 \
+            + [ctypes.c_long] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int]
+        self._verify.restype = None
 
     def sampling_cutoffs(self, logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         """Per row of float32 logits (N, V): the smallest logit that survives top-k (int64
@@ -134,6 +138,29 @@ class CpuKernels:
         out = torch.empty(n, dtype=torch.int64)
         self._race(probs.data_ptr(), probs.stride(0), k.data_ptr(), n, v, out.data_ptr(), torch.get_num_threads())
         return out
+
+    def verify_drafts(self, probs: torch.Tensor, q: torch.Tensor | None, draft_ids: list[list[int]],
+                      num_drafts: list[int], uniform: torch.Tensor, final_u: torch.Tensor,
+                      block: bool) -> tuple[list[int], list[int]]:
+        """Token-wise or block verification of sampled requests in one call (the rules of
+        ``sample.rejection``): probs (sum(k_b + 1), V) float32 filtered target probabilities,
+        q (sum(k_b), V) float32 draft probabilities or None (one-hot drafts), uniform
+        (sum(k_b),) float32, final_u (B,) float64. Returns (accepted counts, final tokens)."""
+        if probs.dtype != torch.float32 or probs.dim() != 2 or probs.stride(1) != 1:
+            raise ValueError("verify_drafts takes float32 (rows, V) probabilities with unit stride on V")
+        b, v = len(num_drafts), probs.shape[1]
+        ids = torch.tensor([t for d in draft_ids for t in d] or [0], dtype=torch.int64)
+        nd = torch.tensor(num_drafts, dtype=torch.int64)
+        uniform = uniform.to(torch.float32).contiguous()
+        final_u = final_u.to(torch.float64).contiguous()
+        if q is not None:
+            q = q.to(torch.float32).contiguous()
+        acc = torch.empty(b, dtype=torch.int64)
+        fin = torch.empty(b, dtype=torch.int64)
+        self._verify(probs.data_ptr(), probs.stride(0), None if q is None else q.data_ptr(), 0 if q is None else v,
+                     ids.data_ptr(), uniform.data_ptr(), final_u.data_ptr(), nd.data_ptr(), b, v, int(block),
+                     acc.data_ptr(), fin.data_ptr(), torch.get_num_threads())
+        return acc.tolist(), fin.tolist()
 
     def paged_decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor, scale: float,

@@ -693,3 +693,97 @@ void tailserve_seeded_race(const float* probs, long stride, const uint64_t* keys
         out[r] = best;
     }
 }
+
+/* Speculative verification of sampled requests (sample/rejection.py; the PyTorch functions
+ * rejection_sample_probs / block_verify_probs are the definition, this is the same rule in
+ * one call: on a small CPU the dozens of tensor operations cost more than the arithmetic).
+ * Request b owns target rows [pstart_b, pstart_b + k_b] of probs (filtered, normalised) and
+ * draft rows [qstart_b, qstart_b + k_b) of q (NULL: one-hot drafts), its draft ids and
+ * uniforms at the same offsets as its q rows. Writes its accepted count and final token. */
+static long tailserve_draw(const float* p, const float* q, long skip, double scale, long V, double u) {
+    /* Inverse CDF at u of w = max(0, scale * p - q) (q NULL: scale * p with token `skip` at
+     * zero; skip < 0: none), or of p where w has no mass. */
+    double total = 0.0;
+    for (long v = 0; v < V; v++) {
+        double w = q ? scale * p[v] - q[v] : (v == skip ? 0.0 : scale * p[v]);
+        if (w > 0) total += w;
+    }
+    int use_p = !(total > 0);
+    if (use_p) { total = 0.0; for (long v = 0; v < V; v++) total += p[v]; }
+    double target = u * total, c = 0.0;
+    long last = 0;
+    for (long v = 0; v < V; v++) {
+        double w = use_p ? p[v] : (q ? scale * p[v] - q[v] : (v == skip ? 0.0 : scale * p[v]));
+        if (!(w > 0)) continue;
+        c += w;
+        last = v;
+        if (c > target) return v;
+    }
+    return last;
+}
+
+void tailserve_verify_drafts(const float* probs, long stride, const float* q, long qstride, const int64_t* ids,
+                             const float* uniform, const double* final_u, const int64_t* num_drafts, long B, long V,
+                             int block, int64_t* num_accepted, int64_t* final_tok, int threads) {
+    long pstart = 0, qstart = 0;
+    for (long b = 0; b < B; b++) {
+        const long k = num_drafts[b];
+        const float* P = probs + pstart * stride;
+        const float* Q = q ? q + qstart * qstride : NULL;
+        const int64_t* x = ids + qstart;
+        const float* u = uniform + qstart;
+        long m = 0, tok;
+        if (!block || k == 0) {
+            while (m < k) {
+                double px = P[m * stride + x[m]], qx = Q ? Q[m * qstride + x[m]] : 1.0f;
+                float a = (float)px / fmaxf((float)qx, 1e-30f);
+                if (!(u[m] < fminf(a, 1.0f))) break;
+                m++;
+            }
+            if (m < k) tok = tailserve_draw(P + m * stride, Q ? Q + m * qstride : NULL, Q ? -1 : x[m], 1.0, V,
+                                            final_u[b]);
+            else tok = tailserve_draw(P + k * stride, NULL, -1, 1.0, V, final_u[b]);
+        } else {
+            /* p_i = min(1, p_(i-1) p(x_i) / q(x_i)); h_i = mass_i / (mass_i + 1 - p_i), h_k = p_k;
+             * tau = the last i with u_(i-1) < h_i (0 if none). */
+            double pv = 1.0;
+            m = 0;
+            for (long i = 1; i <= k; i++) {
+                const float* Pi = P + (i - 1) * stride;
+                const float* Qi = Q ? Q + (i - 1) * qstride : NULL;
+                double px = Pi[x[i - 1]], qx = Qi ? Qi[x[i - 1]] : 1.0;
+                pv = fmin(1.0, pv * (px / fmax(qx, 1e-30)));
+                double h;
+                if (i == k) {
+                    h = pv;
+                } else {
+                    const float* Pn = P + i * stride;
+                    const float* Qn = Q ? Q + i * qstride : NULL;
+                    double mass = 0.0;
+                    for (long v = 0; v < V; v++) {
+                        double w = Qn ? pv * Pn[v] - Qn[v] : (v == x[i] ? 0.0 : pv * Pn[v]);
+                        if (w > 0) mass += w;
+                    }
+                    double den = mass + 1.0 - pv;
+                    h = den > 0 ? mass / den : 1.0;
+                }
+                if (u[i - 1] < h) m = i;
+            }
+            if (m == k) {
+                tok = tailserve_draw(P + k * stride, NULL, -1, 1.0, V, final_u[b]);
+            } else {
+                double pm = 1.0;  /* p_m again */
+                for (long i = 1; i <= m; i++) {
+                    double px = P[(i - 1) * stride + x[i - 1]], qx = Q ? Q[(i - 1) * qstride + x[i - 1]] : 1.0;
+                    pm = fmin(1.0, pm * (px / fmax(qx, 1e-30)));
+                }
+                tok = tailserve_draw(P + m * stride, Q ? Q + m * qstride : NULL, Q ? -1 : x[m], pm, V, final_u[b]);
+            }
+        }
+        num_accepted[b] = m;
+        final_tok[b] = tok;
+        pstart += k + 1;
+        qstart += k;
+    }
+    (void)threads;
+}
