@@ -23,11 +23,11 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from bench_speculative import held_out_prompts  # noqa: E402
+from bench_speculative import held_out_prompts
 
-from tailserve import LLM, SamplingParams  # noqa: E402
-from tailserve.assets import DEFAULT_DRAFT_DIR  # noqa: E402
-from tailserve.engine.plan import detect_capabilities  # noqa: E402
+from tailserve import LLM, SamplingParams
+from tailserve.assets import DEFAULT_DRAFT_DIR
+from tailserve.engine.plan import detect_capabilities
 
 
 def main() -> None:

@@ -98,8 +98,9 @@ def test_greedy_suffix_decoding_is_plain_decoding_and_repeats_draft_from_the_cac
     proposer = suffix_llm.engine.core.worker.local.proposer
     before = proposer.num_global_drafts
     accepted = suffix_llm.engine.spec_stats.num_accepted_tokens
-    # The same requests again: their earlier outputs are in the global cache.
-    assert [o.outputs[0].token_ids for o in suffix_llm.generate(prompts, p)] == plain
+    # The same requests again, one at a time (six at once may draft at most 16 // 6 - 1 = 1
+    # token each: the plan's verify-row limit): their earlier outputs are in the global cache.
+    assert [suffix_llm.generate([q], p)[0].outputs[0].token_ids for q in prompts] == plain
     assert proposer.num_global_drafts > before
     assert suffix_llm.engine.spec_stats.num_accepted_tokens - accepted > 0.5 * 6 * 64  # most tokens drafted
     stats = suffix_llm.stats()["speculative"]["suffix_cache"]

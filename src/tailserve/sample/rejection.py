@@ -211,7 +211,7 @@ class RejectionSampler:
             # No row for the rule: argmax walks and races only.
             probs = filtered_probs(target_logits, st.repeat_rows([k + 1 for k in num_drafts]))
             return self.seeded_rows(target_logits, probs, num_drafts, draft_ids, seeded, greedy)
-        if self.kernels is not None and target_logits.device.type == "cpu":
+        if self.kernels is not None:  # the plan's compiled CPU kernels, so a CPU device
             return self._on_kernels(target_logits, num_drafts, draft_ids, draft_probs, st, seeded, greedy)
         device = target_logits.device
         bsz, v = len(num_drafts), target_logits.shape[-1]

@@ -200,7 +200,7 @@ class SeededNoise:
 
     def race(self, probs: torch.Tensor, keys: list[int]) -> torch.Tensor:
         """(N, V) probabilities (any positive scale per row), N keys -> (N,) winners."""
-        if self.kernels is not None and probs.dtype == torch.float32 and probs.device.type == "cpu":
+        if self.kernels is not None:  # the plan's compiled CPU kernels: a CPU device, float32 probabilities
             return self.kernels.seeded_race(probs.contiguous(), keys)
         return (probs.double() / race_noise(keys, probs.shape[-1], probs.device)).argmax(dim=-1)
 

@@ -99,8 +99,8 @@ class CpuKernels:
                                ctypes.c_void_p, ctypes.c_int]
         self._race.restype = None
         self._verify = lib.tailserve_verify_drafts
-        self._verify.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 4 \
-            + [ctypes.c_long] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int]
+        self._verify.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long] \
+            + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int]
         self._verify.restype = None
 
     def sampling_cutoffs(self, logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
