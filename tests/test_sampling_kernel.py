@@ -69,8 +69,7 @@ def test_seeded_race_kernel_picks_the_formulas_winner(v):
     probs = torch.softmax(torch.randn(64, v, generator=g) * 3, -1)
     probs[::3, : v // 2] = 0.0  # top-k / top-p cut-offs leave zeros
     keys = [seeded_key(11, i) for i in range(64)]
-    cpu = torch.device("cpu")
-    assert torch.equal(SeededNoise(v, cpu, K).race(probs, keys), SeededNoise(v, cpu).race(probs, keys))
+    assert torch.equal(SeededNoise(K).race(probs, keys), SeededNoise().race(probs, keys))
 
 
 def test_seeded_race_draws_from_p():
@@ -79,7 +78,7 @@ def test_seeded_race_draws_from_p():
     from test_rejection_sampler import chi2_pvalue
 
     p = torch.tensor([0.45, 0.25, 0.15, 0.1, 0.04, 0.01, 0.0])
-    race = SeededNoise(7, torch.device("cpu"), K).race
+    race = SeededNoise(K).race
     winners = torch.cat([race(p.expand(500, 7), [seeded_key(3, 500 * b + i) for i in range(500)])
                          for b in range(60)])
     assert chi2_pvalue(torch.bincount(winners, minlength=7).double(), p.double()) > 1e-3

@@ -193,9 +193,7 @@ class SeededNoise:
     row that takes a logarithm only for the few tokens that could still win
     (``CpuKernels.seeded_race``, the same winners); elsewhere the formula in PyTorch."""
 
-    def __init__(self, vocab_size: int, device: torch.device, kernels: CpuKernels | None = None) -> None:
-        self.vocab_size = vocab_size
-        self.device = device
+    def __init__(self, kernels: CpuKernels | None = None) -> None:
         self.kernels = kernels
 
     def race(self, probs: torch.Tensor, keys: list[int]) -> torch.Tensor:
@@ -227,7 +225,7 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.kernels = kernels  # the compiled CPU kernels' cut-offs, where the execution plan runs them
-        self.noise = SeededNoise(vocab_size, device, kernels)
+        self.noise = SeededNoise(kernels)
 
     def sample(self, logits: torch.Tensor, st: SamplingTensors, seeded: list[int | None]) -> torch.Tensor:
         """(N, V) logits -> (N,) token ids. ``seeded[i]``: row i's ``seeded_key`` (its request's

@@ -76,12 +76,28 @@ class Proposer(Protocol):
         """Suffix decoding's global cache (None: this proposer keeps none)."""
 
 
-class NgramProposer:
-    """Prompt lookup: find the most recent earlier occurrence of the context's last n tokens
-    (n from ngram_max down to ngram_min) and propose what followed it."""
+class LookupProposer:
+    """A proposer that looks drafts up in text (``propose_one(tokens, k)``): no model, one-hot
+    q, nothing to catch up on. The n-gram and suffix proposers share this."""
 
     uses_draft_kv = False
     needs_draft_probs = False
+
+    def propose_one(self, tokens: list[int], k: int) -> list[int]:
+        raise NotImplementedError
+
+    def propose_input(self, inp: ProposalInput) -> list[int]:
+        return self.propose_one(inp.all_token_ids[: inp.num_valid], inp.k)
+
+    def propose(self, inputs: list[ProposalInput]) -> Proposal:
+        drafts = {i.request_id: self.propose_input(i) for i in inputs}
+        return Proposal(drafts, None, {i.request_id: i.num_valid for i in inputs},
+                        num_forwards=max((i.k for i in inputs), default=0) or None)
+
+
+class NgramProposer(LookupProposer):
+    """Prompt lookup: find the most recent earlier occurrence of the context's last n tokens
+    (n from ngram_max down to ngram_min) and propose what followed it."""
 
     def __init__(self, ngram_min: int, ngram_max: int) -> None:
         if not 1 <= ngram_min <= ngram_max:
@@ -104,14 +120,6 @@ class NgramProposer:
                 if cont:
                     return cont
         return []
-
-    def propose_input(self, inp: ProposalInput) -> list[int]:
-        return self.propose_one(inp.all_token_ids[: inp.num_valid], inp.k)
-
-    def propose(self, inputs: list[ProposalInput]) -> Proposal:
-        drafts = {i.request_id: self.propose_input(i) for i in inputs}
-        return Proposal(drafts, None, {i.request_id: i.num_valid for i in inputs},
-                        num_forwards=max((i.k for i in inputs), default=0) or None)
 
     def observe_finished(self, token_ids: list[int], num_prompt_tokens: int) -> None:
         return None
@@ -169,7 +177,7 @@ class DraftModelProposer:
         # metadata, and for the chain the slot tables computed once per round.
         self.attn_backend = attn_backend
         self.block_size, self.device, self.generator = block_size, device, generator
-        self.noise = SeededNoise(arch.vocab_size, device, sampling_kernels)  # seeded rows' races (sample/sampler.py)
+        self.noise = SeededNoise(sampling_kernels)  # seeded rows' races (sample/sampler.py)
         self.sampling_kernels = sampling_kernels  # kernels.cpu.CpuKernels where the plan runs them
         self.stop_margin = stop_margin
         self.upcast = upcasts_attention(device)

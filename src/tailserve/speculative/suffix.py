@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tailserve.speculative.proposer import Proposal, ProposalInput
+from tailserve.speculative.proposer import LookupProposer
 
 # Prompt tokens kept before each cached output: enough for a repeated request's context to
 # match into its earlier output from the first step.
@@ -160,11 +160,8 @@ class SuffixCache:
         return _walk(tokens, ends, pattern, k, self.cfg)
 
 
-class SuffixProposer:
+class SuffixProposer(LookupProposer):
     """Suffix decoding: the request's own text and the global cache, the better draft."""
-
-    uses_draft_kv = False
-    needs_draft_probs = False
 
     def __init__(self, cfg: SuffixConfig | None = None) -> None:
         self.cfg = cfg or SuffixConfig()
@@ -186,14 +183,6 @@ class SuffixProposer:
         if local:
             self.num_local_drafts += 1
         return local
-
-    def propose_input(self, inp: ProposalInput) -> list[int]:
-        return self.propose_one(inp.all_token_ids[: inp.num_valid], inp.k)
-
-    def propose(self, inputs: list[ProposalInput]) -> Proposal:
-        drafts = {i.request_id: self.propose_input(i) for i in inputs}
-        return Proposal(drafts, None, {i.request_id: i.num_valid for i in inputs},
-                        num_forwards=max((i.k for i in inputs), default=0) or None)
 
     def observe_finished(self, token_ids: list[int], num_prompt_tokens: int) -> None:
         """A finished request's text joins the global cache: the prompt's end, then the output."""
