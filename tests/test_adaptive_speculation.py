@@ -63,13 +63,13 @@ def test_choose_k_speculates_when_verification_is_free_and_stops_when_it_is_not(
         ctl.observe_round(4, 4, cap=6)  # the draft is right, and stops after 4 on its own
     # Memory-bound target: 3 ms per forward whatever the tokens; draft 0.5 ms.
     _feed_costs(ctl, (3e-3, 1e-7), (5e-4, 1e-7))
-    assert ctl.choose_k(1) >= 4
+    assert ctl._model_choice(1)[0] >= 4
     # Compute-bound target: every verified token costs as much as a whole small forward.
     ctl2 = AdaptiveSpeculation(k_max=6, explore_every=10**9)
     for _ in range(40):
         ctl2.observe_round(1, 4, cap=6)
     _feed_costs(ctl2, (3e-3, 1e-3), (5e-4, 1e-5))
-    assert ctl2.choose_k(64) == 0
+    assert ctl2._model_choice(64)[0] == 0
 
 
 def test_k_stays_within_the_verify_row_limit():
@@ -81,7 +81,9 @@ def test_k_stays_within_the_verify_row_limit():
         for _ in range(40):
             ctl.observe_round(8, 8, cap=8)
         _feed_costs(ctl, (3e-3, 1e-9), (1e-5, 1e-9))
-        assert [ctl.choose_k(b) for b in (1, 4, 8, 9, 16)] == expected
+        assert [ctl._model_choice(b)[0] for b in (1, 4, 8, 9, 16)] == expected
+        if max_rows is not None:
+            assert [ctl.choose_k(16) for _ in range(20)] == [0] * 20
 
 
 def test_a_fixed_k_is_kept():
@@ -110,57 +112,108 @@ def _steady(ctl, b, k, tokens, seconds, steps=4):
         ctl.observe_throughput(tokens, seconds, *ctl.last_round)
 
 
+def _run(ctl, b, step, steps):
+    """Drive the controller as the engine does: choose k, run the step on a synthetic machine
+    (``step(k) -> (tokens, seconds)``), report its throughput with the next choice. Returns
+    the k of every step and the tokens/s over the whole run."""
+    ks, tokens, seconds = [], 0, 0.0
+    pending = None
+    for _ in range(steps):
+        k = ctl.choose_k(b)
+        if pending is not None:
+            ctl.observe_throughput(*pending)
+        n, s = step(k)
+        ks.append(k)
+        tokens += n
+        seconds += s
+        pending = (n, s, *ctl.last_round)
+    return ks, tokens / seconds
+
+
+def _optimistic(k_max=6, **kw):
+    """A controller whose cost model says speculate: the draft is right, verification free."""
+    ctl = AdaptiveSpeculation(k_max=k_max, **kw)
+    for _ in range(40):
+        ctl.observe_round(4, 4, cap=k_max)
+    _feed_costs(ctl, (3e-3, 1e-7), (5e-4, 1e-7))
+    return ctl
+
+
+def test_a_cold_controller_measures_off_first_then_the_models_k():
+    """Measured beats modelled: the first steps run off, then the model's k, and only a k
+    that measured above off is kept."""
+    ctl = _optimistic(explore_every=10**9)
+    model_k = ctl._model_choice(1)[0]
+    assert model_k >= 4
+    ks, _ = _run(ctl, 1, lambda k: (1 + k, 0.005 + 0.0005 * k), 40)  # speculating pays
+    assert ks[:5] == [0] * 5 and ks[5:] == [model_k] * 35
+    ctl = _optimistic(explore_every=10**9)
+    ks, _ = _run(ctl, 1, lambda k: (1 + 0.1 * k, 0.005 * (1 + k)), 40)  # it does not
+    assert ks[:5] == [0] * 5 and ks[5:10] == [model_k] * 5 and ks[10:] == [0] * 30
+
+
 def test_measured_throughput_overrides_the_cost_model():
     """The model says speculate (verification looks free); measured steps in the same batch
     bucket say k=4 delivered less than off: the controller turns speculation off there, and
     only there. The reverse too: the model says off, measured on beats off."""
-    ctl = AdaptiveSpeculation(k_max=6, explore_every=10**9)
-    for _ in range(40):
-        ctl.observe_round(4, 4, cap=6)
-    _feed_costs(ctl, (3e-3, 1e-7), (5e-4, 1e-7))
-    k = ctl.choose_k(16)
+    ctl = _optimistic(explore_every=10**9)
+    k = ctl._model_choice(16)[0]
     assert k >= 4
     _steady(ctl, 16, k, tokens=16 * 3, seconds=0.030)  # 1600 tok/s speculating
     _steady(ctl, 16, 0, tokens=16, seconds=0.008)  # 2000 tok/s off
     assert ctl.measured_rate(16, 0) == pytest.approx(2000) and ctl.measured_rate(9, k) == pytest.approx(1600)
     assert ctl.choose_k(16) == 0 and ctl.choose_k(12) == 0  # the same bucket (9-16)
-    assert ctl.choose_k(1) >= 4  # nothing measured at batch 1: the model decides
     # A step whose k differs from the previous step's is not steady: not counted.
     ctl._set(2, 16)
     ctl._set(0, 16)
-    before = ctl.rates[(ctl.bucket(16), 0)]
+    before = list(ctl.rates[(ctl.bucket(16), 0)].steps)
     ctl.observe_throughput(1, 1.0, *ctl.last_round)
-    assert ctl.rates[(ctl.bucket(16), 0)] == before
+    assert list(ctl.rates[(ctl.bucket(16), 0)].steps) == before
 
     ctl2 = AdaptiveSpeculation(k_max=6, explore_every=10**9)
     for _ in range(40):
         ctl2.observe_round(1, 4, cap=6)
     _feed_costs(ctl2, (3e-3, 1e-3), (5e-4, 1e-5))
-    assert ctl2.choose_k(64) == 0
-    _, best_pos = ctl2._model_choice(64)
     _steady(ctl2, 64, 0, tokens=64, seconds=0.1)
+    assert ctl2.choose_k(64) == 0  # the model says off, nothing speculative measured: off
+    _, best_pos = ctl2._model_choice(64)
     _steady(ctl2, 64, best_pos, tokens=100, seconds=0.1)
     assert ctl2.choose_k(64) == best_pos
 
 
+def test_one_slow_step_does_not_decide():
+    """A step that took several times the usual (the process was descheduled) is left out
+    of the measured rate; without that it would make off look slower than speculation."""
+    ctl = _optimistic(explore_every=10**9)
+    k = ctl._model_choice(16)[0]
+    _steady(ctl, 16, k, tokens=20, seconds=0.010, steps=8)  # 2000 tok/s speculating
+    _steady(ctl, 16, 0, tokens=16, seconds=0.007, steps=7)  # ~2290 tok/s off
+    _steady(ctl, 16, 0, tokens=16, seconds=0.100, steps=1)  # ... and one hiccup
+    assert ctl.measured_rate(16, 0) == pytest.approx(16 / 0.007)
+    assert ctl.choose_k(16) == 0
+
+
+def test_on_a_machine_where_no_k_pays_speculation_stays_off():
+    """Every k is slower than off (a compute-bound target): over a long run the explorations
+    cost at most a few percent of what off delivers."""
+    ctl = _optimistic(explore_every=24)
+    ks, rate = _run(ctl, 16, lambda k: (16 * (1 + 0.6 * k), 0.006 * (1 + k)), 2000)
+    off_rate = 16 / 0.006
+    assert ks.count(0) > 0.95 * len(ks) and rate > 0.97 * off_rate
+
+
 def test_explorations_take_turns_and_last_several_steps():
-    ctl = AdaptiveSpeculation(k_max=6, explore_every=5, explore_len=3)
-    for _ in range(40):
-        ctl.observe_round(4, 4, cap=6)
-    _feed_costs(ctl, (3e-3, 1e-7), (5e-4, 1e-7))
-    ks = [ctl.choose_k(1) for _ in range(40)]
+    ctl = _optimistic(explore_every=5, explore_len=3)
+    ks, _ = _run(ctl, 1, lambda k: (1 + 0.9 * k, 0.005 + 0.0002 * k), 60)  # speculating pays
     model_k = ctl._model_choice(1)[0]
     assert model_k >= 4
-    # An exploration of speculation off, three steps long.
-    assert any(ks[i:i + 3] == [0, 0, 0] for i in range(len(ks) - 2))
+    # An exploration of speculation off, three steps long, after the first measurements.
+    assert any(ks[i:i + 3] == [0, 0, 0] for i in range(10, len(ks) - 2))
     assert ks.count(model_k) > len(ks) // 2
 
 
 def test_explorations_back_off_where_they_keep_confirming_off():
-    ctl = AdaptiveSpeculation(k_max=6, explore_every=6, explore_len=3, max_backoff=4)
-    for _ in range(40):
-        ctl.observe_round(4, 4, cap=6)
-    _feed_costs(ctl, (3e-3, 1e-7), (5e-4, 1e-7))
+    ctl = _optimistic(explore_every=6, explore_len=3, max_backoff=4)
     assert ctl._model_choice(16)[0] > 0
     _steady(ctl, 16, ctl._model_choice(16)[0], tokens=16, seconds=0.02)  # measured: speculating is slow
     _steady(ctl, 16, 0, tokens=16, seconds=0.008)
@@ -180,4 +233,58 @@ def test_a_steps_throughput_counts_for_the_k_it_ran_with():
     measured = ctl.last_round  # step N: 4 decoding, k 3, steady
     ctl._set(0, 4)  # step N + 1, chosen before step N's cost is known
     ctl.observe_throughput(12, 0.01, *measured)
-    assert ctl.rates[(ctl.bucket(4), 3)][0] == pytest.approx(1200) and (ctl.bucket(4), 0) not in ctl.rates
+    assert list(ctl.rates[(ctl.bucket(4), 3)].steps) == [(12, 0.01)] and (ctl.bucket(4), 0) not in ctl.rates
+
+
+def _measured(b, rates_by_k, objective="goodput", **slo):
+    """A controller that has measured (tokens, seconds) a step for each k at batch b."""
+    from tailserve.config import SloBounds
+
+    ctl = _optimistic(explore_every=10**9, objective=objective, slo=SloBounds(**slo))
+    for k, (tokens, seconds) in rates_by_k.items():
+        _steady(ctl, b, k, tokens=tokens, seconds=seconds)
+    ctl._set(0, b)
+    return ctl
+
+
+def test_goodput_drops_speculation_when_its_longer_step_would_cost_a_waiting_request_its_ttft():
+    """k = 3 makes 1.4x the tokens/s at batch 1 but a 2.5x longer step. A queued request
+    with 8 ms of TTFT budget left misses it with k = 3 only: two requests in bound at off
+    beat one at 1.4x the rate, so goodput runs off; throughput runs k = 3; without anyone
+    waiting goodput agrees with throughput."""
+    from tailserve.speculative.adaptive import SloState
+
+    steps = {0: (1, 0.005), 3: (3.5, 0.0125)}  # 200 and 280 tok/s
+    state = SloState(decode_elapsed_s=(0.1,), decode_tokens=(20,), waiting_ages_s=(0.492,))
+    thr = _measured(1, steps, objective="throughput", ttft_s=0.5)
+    assert thr.choose_k(1, state) == 3
+    good = _measured(1, steps, ttft_s=0.5)
+    assert good.choose_k(1, state) == 0 and good.num_goodput_overrides == 1
+    assert good.goodput(1, 0, state) == pytest.approx(2 * 200) and good.goodput(1, 3, state) == pytest.approx(280)
+    alone = _measured(1, steps, ttft_s=0.5)
+    assert alone.choose_k(1, SloState((0.1,), (20,), ())) == 3 and alone.num_goodput_overrides == 0
+
+
+def test_goodput_speculates_for_a_request_at_its_tpot_bound_where_throughputs_margin_stays_off():
+    """k = 2 is 8% faster than off at batch 4: below the 10% that throughput asks before it
+    switches on. One request's TPOT so far sits at its 5 ms bound: off (5 ms a token) pushes
+    it over, k = 2 (4.63 ms) keeps it within, so goodput speculates. With every request well
+    within the bound, goodput keeps throughput's choice."""
+    from tailserve.speculative.adaptive import SloState
+
+    steps = {0: (4, 0.005), 2: (8.64, 0.010)}  # 5 and 4.63 ms a token a request
+    at_bound = SloState(decode_elapsed_s=(0.2, 0.2, 0.2, 0.0504), decode_tokens=(100, 100, 100, 10))
+    thr = _measured(4, steps, objective="throughput", tpot_s=0.005)
+    assert thr.choose_k(4, at_bound) == 0
+    good = _measured(4, steps, tpot_s=0.005)
+    assert good.choose_k(4, at_bound) == 2
+    within = SloState(decode_elapsed_s=(0.2, 0.2, 0.2, 0.02), decode_tokens=(100, 100, 100, 10))
+    good = _measured(4, steps, tpot_s=0.005)
+    assert good.choose_k(4, within) == 0 and good.num_goodput_overrides == 0
+
+
+def test_goodput_with_a_k_never_measured_keeps_throughputs_choice():
+    from tailserve.speculative.adaptive import SloState
+
+    ctl = _measured(1, {0: (1, 0.005)}, ttft_s=0.001)
+    assert ctl.goodput(1, 3, SloState((0.1,), (20,), (1.0,))) is None

@@ -114,3 +114,9 @@ def test_tool_calling_flags_are_checked_before_loading(flags, message, capsys, t
     bad.write_text("{% for m in messages %}{{ m.content }}")  # no endfor
     flags = [str(bad) if f == "BAD" else f for f in flags]
     assert message in _one_line_error(run_in_process(capsys, "serve", *flags))
+
+
+def test_a_bad_slo_is_one_line_error(capsys):
+    p = run_in_process(capsys, "generate", "--speculative-method", "ngram", "--speculative-objective", "goodput",
+                       "--slo", "p99_tpot_ms<40", "hi")
+    assert "slo: expected KEY<=MS" in _one_line_error(p)

@@ -300,9 +300,32 @@ def test_seeded_sampled_requests_take_the_controllers_k_like_everyone_else():
                               frozenset({EOS}), 1024))
         s.add_request(Request("greedy", list(range(20, 26)), SamplingParams(temperature=0, max_tokens=30),
                               frozenset({EOS}), 1024))
-        s.speculation.choose_k = lambda num_decoding, chosen=chosen: chosen
+        s.speculation.choose_k = lambda num_decoding, slo_state=None, chosen=chosen: chosen
         out = s.schedule()
         assert {q.request_id: q.num_lookahead_tokens for q in out.scheduled} == {"seeded": chosen, "greedy": chosen}
+
+
+def test_the_goodput_objective_sees_each_requests_decode_so_far_and_the_waiting_ages():
+    """What the controller weighs per step (SloState): decoding requests' seconds since their
+    first token and tokens after it; requests without a first token (in prefill now, or
+    queued behind max_num_seqs) by age."""
+    from tailserve.config import SloBounds
+    from tailserve.speculative.adaptive import AdaptiveSpeculation
+
+    ctl = AdaptiveSpeculation(k_max=4, objective="goodput", slo=SloBounds(tpot_s=0.05, ttft_s=0.5))
+    s = Scheduler(SchedulerConfig(2, 64, True), BlockPool(64, 4, False), ctl)
+    seen = []
+    ctl.choose_k = lambda num_decoding, slo_state=None: seen.append(slo_state) or 0
+    s.add_request(req("a", 6, max_tokens=20))
+    run_step(s)  # a's prompt and first token
+    run_step(s)  # a: one token after the first
+    s.add_request(req("b", 5, max_tokens=20, start=100))
+    s.add_request(req("c", 5, max_tokens=20, start=200))  # queued: max_num_seqs is 2
+    run_step(s)
+    state = seen[-1]
+    assert state.decode_tokens == (1,) and state.decode_elapsed_s[0] > 0
+    assert len(state.waiting_ages_s) == 2 and all(a >= 0 for a in state.waiting_ages_s)  # b in prefill, c queued
+    assert s.requests["a"].arrival_ns <= s.requests["a"].first_token_ns
 
 
 def test_admission_hook_lets_a_contiguous_baseline_reserve_the_whole_context():

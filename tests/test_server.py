@@ -507,7 +507,10 @@ def test_chat_top_logprobs_are_the_n_most_likely_and_streaming_carries_them(clie
     for chunk in client.chat.completions.create(**kw, stream=True):
         if chunk.choices and chunk.choices[0].logprobs is not None:
             streamed.extend(chunk.choices[0].logprobs.content)
-    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in full]
+    # The same tokens; logprobs to float32 rounding (the session server may batch the two
+    # requests with others differently, and a bf16 GEMM's sums then differ in the last bits).
+    assert [t.token for t in streamed] == [t.token for t in full]
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in full], rel=1e-5, abs=1e-5)
 
 
 def test_streamed_completion_logprobs_equal_the_non_streamed(client):

@@ -475,3 +475,45 @@ def test_synthetic_acceptance_is_refused_outside_benchmarks_and_labelled(monkeyp
     # (the draft is the target itself here: real acceptance would be 1).
     assert stats["synthetic_acceptance"] == 0.5 and abs(stats["acceptance_rate"] - 0.234) < 0.06
     assert llm.engine.health()["synthetic_acceptance"] == 0.5
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(speculative_objective="goodput"), "needs slo"),
+    (dict(slo="p99_tpot_ms<=40"), "set that objective too"),
+    (dict(speculative_objective="latency"), "throughput or goodput"),
+    (dict(speculative_objective="goodput", slo="p99_tpot_ms<=40", num_speculative_tokens=3), "no num_speculative"),
+    (dict(speculative_objective="goodput", slo="p50_tpot_ms<=40"), "KEY<=MS"),
+    (dict(speculative_objective="goodput", slo="p99_tpot_ms=40"), "KEY<=MS"),
+    (dict(speculative_objective="goodput", slo="p99_tpot_ms<=-1"), "positive"),
+    (dict(speculative_objective="goodput", slo="p99_tpot_ms<=fast"), "number of milliseconds"),
+    (dict(speculative_objective="goodput", slo="p99_tpot_ms<=4,p99_tpot_ms<=5"), "twice"),
+])
+def test_bad_goodput_settings_are_refused(kwargs, message):
+    from tailserve.config import EngineConfig
+    from tailserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(model="builtin", speculative_method="ngram", **kwargs)
+
+
+def test_slo_bounds_parse_in_milliseconds():
+    from tailserve.config import SloBounds, parse_slo
+
+    assert parse_slo("p99_tpot_ms<=40, p99_ttft_ms<=500") == SloBounds(tpot_s=0.04, ttft_s=0.5)
+    assert parse_slo("p99_ttft_ms<=250") == SloBounds(ttft_s=0.25)
+
+
+def test_the_goodput_objective_decodes_the_targets_tokens(llama_checkpoint):
+    """Whatever k the objective picks, greedy output stays the target's; the stats name the
+    objective and its bounds."""
+    path, _ = llama_checkpoint
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    plain = LLM(str(path), dtype="float32", kv_cache_memory_bytes=4 << 20).generate(prompts, params)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=4 << 20, speculative_method="ngram",
+              speculative_objective="goodput", slo="p99_tpot_ms<=1,p99_ttft_ms<=1")
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+    stats = llm.stats()["speculative"]
+    assert stats["objective"] == "goodput" and stats["slo"] == "p99_tpot_ms<=1,p99_ttft_ms<=1"
+    assert llm.engine.scheduler.speculation.slo.ttft_s == 0.001

@@ -109,7 +109,7 @@ def test_greedy_suffix_decoding_is_plain_decoding_and_repeats_draft_from_the_cac
 
 
 def test_hybrid_tries_suffix_first(engine_cache):
-    llm = engine_cache(speculative_model="builtin", speculative_method="hybrid")
+    llm = engine_cache(speculative_model="builtin", speculative_method="hybrid", num_speculative_tokens=4)
     prompts = _held_out_prompts(3)
     p = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in engine_cache().generate(prompts, p)]

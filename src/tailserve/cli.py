@@ -85,6 +85,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-verification", default="token", choices=["token", "block"],
                    help="token: verify drafts token by token; block: as a whole (block verification, "
                         "the same distribution, at least as many drafts accepted)")
+    s.add_argument("--speculative-objective", default="throughput", choices=["throughput", "goodput"],
+                   help="what adaptive k maximises: tokens/s, or tokens/s of the requests that meet --slo")
+    s.add_argument("--slo", default=None, metavar="BOUNDS",
+                   help='latency bounds for --speculative-objective goodput, e.g. "p99_tpot_ms<=40,p99_ttft_ms<=500"')
     s.add_argument("--suffix-max-depth", type=int, default=24,
                    help="suffix decoding: the longest context suffix matched")
     s.add_argument("--suffix-max-spec-factor", type=float, default=1.0,
@@ -118,6 +122,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         suffix_cache_max_requests=args.suffix_cache_max_requests,
         speculative_synthetic_acceptance=args.speculative_synthetic_acceptance,
         speculative_verification=args.speculative_verification,
+        speculative_objective=args.speculative_objective, slo=args.slo,
     )
 
 

@@ -34,6 +34,40 @@ def parse_bytes(text: str | int) -> int:
     return int(value * _SIZE_SUFFIXES[suffix])
 
 
+
+SLO_KEYS = {"p99_tpot_ms": "tpot_s", "p99_ttft_ms": "ttft_s"}
+
+
+@dataclass(frozen=True)
+class SloBounds:
+    """Latency bounds a request should meet (seconds; None: no bound on that figure)."""
+
+    tpot_s: float | None = None
+    ttft_s: float | None = None
+
+
+def parse_slo(text: str) -> SloBounds:
+    """``"p99_tpot_ms<=40,p99_ttft_ms<=500"`` -> SloBounds(0.04, 0.5). Either key may be left
+    out, not both; each at most once."""
+    if not isinstance(text, str):
+        raise ConfigError(f"slo must be a string such as \"p99_tpot_ms<=40,p99_ttft_ms<=500\", got {text!r}")
+    bounds: dict[str, float] = {}
+    for item in text.split(","):
+        key, sep, value = item.strip().partition("<=")
+        key = key.strip()
+        if not sep or key not in SLO_KEYS:
+            raise ConfigError(f"slo: expected KEY<=MS with KEY in {', '.join(SLO_KEYS)}, got {item.strip()!r}")
+        if SLO_KEYS[key] in bounds:
+            raise ConfigError(f"slo: {key} is given twice")
+        try:
+            ms = float(value)
+        except ValueError:
+            raise ConfigError(f"slo: {item.strip()!r}: the bound must be a number of milliseconds") from None
+        if not 0 < ms < float("inf"):
+            raise ConfigError(f"slo: {item.strip()!r}: the bound must be a positive number of milliseconds")
+        bounds[SLO_KEYS[key]] = ms / 1000.0
+    return SloBounds(**bounds)
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
@@ -137,6 +171,11 @@ class EngineConfig:
     # draft block as a whole, Sun et al. 2025: the same distribution, at least as many
     # drafts accepted on average). See sample/rejection.py.
     speculative_verification: str = "token"
+    # What adaptive k maximises: "throughput" (tokens/s) or "goodput" (tokens/s of the
+    # requests that meet the latency bounds in slo, e.g. "p99_tpot_ms<=40,p99_ttft_ms<=500";
+    # see speculative/adaptive.py). Goodput needs slo; slo needs goodput.
+    speculative_objective: str = "throughput"
+    slo: str | None = None
     # PYTORCH_CUDA_ALLOC_CONF for this process (validated, applied before CUDA initialises;
     # see memory/allocator/control.py). Without kv_cache_memory_bytes, the KV cache takes what
     # gpu_memory_utilization (default 0.9) leaves after a profiling pass of the largest step.
@@ -226,6 +265,19 @@ class EngineConfig:
             raise ConfigError(f"speculative_verification must be token or block, got {self.speculative_verification!r}")
         if self.speculative_verification == "block" and a is not None:
             raise ConfigError("speculative_verification block: synthetic acceptance replaces verification altogether")
+        if self.speculative_objective not in ("throughput", "goodput"):
+            raise ConfigError("speculative_objective must be throughput or goodput, "
+                              f"got {self.speculative_objective!r}")
+        if self.speculative_objective == "goodput":
+            if self.slo is None:
+                raise ConfigError('speculative_objective goodput needs slo (e.g. "p99_tpot_ms<=40,p99_ttft_ms<=500")')
+            if method is None or self.num_speculative_tokens is not None:
+                raise ConfigError("speculative_objective goodput chooses k per step: it needs a speculative method "
+                                  "and no num_speculative_tokens")
+        elif self.slo is not None:
+            raise ConfigError("slo bounds what speculative_objective goodput maximises: set that objective too")
+        if self.slo is not None:
+            parse_slo(self.slo)  # a bad bound fails here, naming it
         k = self.num_speculative_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16):
             raise ConfigError(f"num_speculative_tokens must be an integer in [1, 16], got {k!r}")

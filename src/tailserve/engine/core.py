@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tailserve.config import EngineConfig
+from tailserve.config import EngineConfig, parse_slo
 from tailserve.engine.processor import PreparedRequest
 from tailserve.engine.request import Request, RequestStatus
 from tailserve.engine.scheduler import Scheduler
@@ -82,7 +82,9 @@ class EngineCore:
         if speculation is None and info.has_proposer:
             speculation = AdaptiveSpeculation(k_max=config.num_speculative_tokens or config.speculative_max_tokens,
                                               fixed_k=config.num_speculative_tokens,
-                                              max_rows=info.plan.max_verify_rows)
+                                              max_rows=info.plan.max_verify_rows,
+                                              objective=config.speculative_objective,
+                                              slo=parse_slo(config.slo) if config.slo is not None else None)
         self.scheduler = Scheduler(config.scheduler_config, self.block_pool, speculation)
         self.step_log: deque[StepStats] = deque(maxlen=4096)
         self.num_steps = 0
@@ -102,15 +104,20 @@ class EngineCore:
             req.grammar = prepared.grammar.start()  # each sample its own matcher
         return req
 
-    def add_request(self, request_id: str, prepared: PreparedRequest) -> None:
+    def add_request(self, request_id: str, prepared: PreparedRequest, arrival_ns: int = 0) -> None:
         if request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        self.scheduler.add_request(self._request(request_id, prepared, prepared.params))
+        req = self._request(request_id, prepared, prepared.params)
+        req.arrival_ns = arrival_ns
+        self.scheduler.add_request(req)
 
-    def add_samples(self, prepared: PreparedRequest, samples: list[tuple[str, SamplingParams]]) -> None:
+    def add_samples(self, prepared: PreparedRequest, samples: list[tuple[str, SamplingParams]],
+                    arrival_ns: int = 0) -> None:
         """Several samples of one prompt (``n`` > 1, ``best_of``): the prompt is computed
         once and its blocks shared (``Scheduler.add_fork_group``)."""
         reqs = [self._request(rid, prepared, params) for rid, params in samples]
+        for req in reqs:
+            req.arrival_ns = arrival_ns
         try:
             self.scheduler.add_fork_group(reqs[0], reqs[1:])
         except ValueError as e:

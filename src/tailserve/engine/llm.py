@@ -55,6 +55,7 @@ class LLM:
         decoding's (drafts, draft tokens, accepted tokens, acceptance rate)."""
         spec = self.engine.spec_stats
         suffix = self.engine.scheduler.suffix_cache
+        ctl = self.engine.scheduler.speculation
         return {
             "kv_cache": self.engine.kv_figures().as_dict(),
             "speculative": {"num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
@@ -64,7 +65,11 @@ class LLM:
                             # suffix decoding's global cache (None without one, or before a request finished)
                             "suffix_cache": dataclasses.asdict(suffix) if suffix is not None else None,
                             # LOSSY benchmark mode, when on (the outputs are not the target's)
-                            "synthetic_acceptance": self.engine.config.speculative_synthetic_acceptance},
+                            "synthetic_acceptance": self.engine.config.speculative_synthetic_acceptance,
+                            # what adaptive k maximises, and the steps where goodput overrode throughput's k
+                            "objective": self.engine.config.speculative_objective,
+                            "slo": self.engine.config.slo,
+                            "goodput_overrides": ctl.num_goodput_overrides if ctl is not None else 0},
             "num_steps": self.engine.num_steps,
         }
 

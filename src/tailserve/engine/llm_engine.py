@@ -188,9 +188,9 @@ class LLMEngine:
         samples = None
         if params.num_samples > 1:  # parallel sampling: samples forked from one computed prompt
             samples = [(child_request_id(rid, i), child_params(params, i)) for i in range(params.num_samples)]
-            self.core.add_samples(prepared, samples)
+            self.core.add_samples(prepared, samples, arrival_ns)
         else:
-            self.core.add_request(rid, prepared)
+            self.core.add_request(rid, prepared, arrival_ns)
         self.output_processor.add_request(rid, prepared.prompt, prepared.prompt_token_ids, params,
                                           arrival_ns if self.metrics_enabled else None, samples)
         return rid

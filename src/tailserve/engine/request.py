@@ -70,6 +70,10 @@ class Request:
     # tokens, never by drafts); dropped when the request finishes.
     grammar: Matcher | None = None
     stopped_by_token: bool = False  # ended by EOS or a stop token id (its text is not output)
+    # perf_counter_ns of its arrival and of its first output token (0: none yet): what the
+    # goodput objective of speculative decoding weighs (speculative/adaptive.py).
+    arrival_ns: int = 0
+    first_token_ns: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -52,7 +52,7 @@ from tailserve.engine.scheduler_output import (
 )
 from tailserve.memory.block_pool import BlockPool
 from tailserve.memory.kv_figures import KVCacheFigures
-from tailserve.speculative.adaptive import AdaptiveSpeculation
+from tailserve.speculative.adaptive import AdaptiveSpeculation, SloState
 from tailserve.speculative.stats import SpecDecodeStats
 
 if TYPE_CHECKING:
@@ -108,6 +108,8 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        if not request.arrival_ns:
+            request.arrival_ns = time.perf_counter_ns()
         self.waiting.append(request)
 
     def add_fork_group(self, first: Request, others: list[Request]) -> None:
@@ -298,7 +300,8 @@ class Scheduler:
         spec = self.speculation
         assert spec is not None
         num_decoding = sum(1 for s in out.scheduled if s.sample)
-        k = spec.choose_k(num_decoding) if num_decoding else 0
+        slo_state = self._slo_state(out, chosen) if num_decoding and spec.objective == "goodput" else None
+        k = spec.choose_k(num_decoding, slo_state) if num_decoding else 0
         if num_decoding:
             out.spec_round = spec.last_round
         for idx, (s, req) in enumerate(zip(out.scheduled, chosen)):
@@ -316,6 +319,21 @@ class Scheduler:
             if not self._try_allocate(req, s.start_pos + s.num_tokens + kk):
                 continue
             out.scheduled[idx] = dataclasses.replace(s, num_lookahead_tokens=kk)
+
+    def _slo_state(self, out: SchedulerOutput, chosen: list[Request]) -> SloState:
+        """Per decoding request its decode so far; per request without a first token (in
+        this step's prefill, or still queued) its age. Requests that get their first token
+        this step count as waiting: this step's length is in their TTFT."""
+        now = time.perf_counter_ns()
+        elapsed, tokens, ages = [], [], []
+        for req in chosen:
+            if req.first_token_ns:
+                elapsed.append((now - req.first_token_ns) * 1e-9)
+                tokens.append(req.num_output_tokens - 1)
+            else:
+                ages.append((now - req.arrival_ns) * 1e-9)
+        ages.extend((now - req.arrival_ns) * 1e-9 for req in self.waiting)
+        return SloState(tuple(elapsed), tuple(tokens), tuple(ages))
 
     def _describe(self, req: Request, out: SchedulerOutput) -> None:
         """The request's data for the worker: all of it once, then the new block ids."""
@@ -388,6 +406,8 @@ class Scheduler:
                     spec.observe_round(num_acc, k, req.spec_cap)
             accepted: list[int] = []
             finished = False
+            if new_ids and not req.first_token_ns:
+                req.first_token_ns = time.perf_counter_ns()
             for tok in new_ids:
                 accepted.append(tok)
                 if req.append_output(tok):

@@ -30,19 +30,30 @@ The model can still be wrong where costs are not linear (a compiled kernel that 
 draft's bookkeeping). So the controller also measures what each k delivered: tokens emitted
 per second of whole step, per batch-size bucket (1, 2, 3-4, 5-8, ...), from steps whose k
 equals the previous step's (a step verifies the previous step's drafts and proposes its
-own). Explorations last ``explore_len`` steps and take turns: off, the model's choice, a
-random k (at most one above the model's best); while they keep confirming speculation off in
-a bucket, they come half as often each time (down to 1 in 8 x explore_every steps). When the
-model's k has measured less than 5% above speculation off in the same bucket, the controller
-turns speculation off; when the model's best k > 0 measured more than 10% above off, it
-turns it on (the margin: switching back on costs the draft a catch-up). Measured on the
-built-in pair on a 2-core AVX2 CPU (docs/benchmarks.md): without this, batch 16 greedy ran
-at 0.73x of speculation off."""
+own), over the last ``rate_window`` such steps, as total tokens over total seconds without
+the steps that took more than five times the median (a descheduled process: on a shared
+2-core machine a plain running average of per-step rates let one slow step decide).
+
+Measured beats modelled: in a bucket where off or the candidate k has no measurement yet,
+the controller measures it first (off first: a cold start never speculates on the model's
+word alone), then speculates only while the measured k beats off by ``switch_margin``
+(twice that to switch back on: every switch back on costs the draft a catch-up over the
+tokens generated meanwhile, which no steady step measures). Explorations last
+``explore_len`` steps and take turns: off, the model's choice, a random k (at most one above
+the model's best); while they keep confirming speculation off in a bucket, they come half as
+often each time (down to 1 in ``max_backoff`` x explore_every steps). Measured on the
+built-in pair (docs/benchmarks.md): without the measured check, batch 16 greedy ran at 0.73x
+of speculation off on a 2-core AVX2 CPU; with the running average of per-step rates, batch 16
+at temperature 0.8 ran at 0.82x on an AVX-512 one."""
 
 from __future__ import annotations
 
 import random
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
+
+from tailserve.config import SloBounds
 
 
 @dataclass
@@ -108,6 +119,51 @@ class _Share:
 
 
 @dataclass
+class _RateWindow:
+    """One (batch bucket, k)'s last steady steps: tokens emitted and seconds, each."""
+
+    size: int = 32
+    steps: deque = field(default_factory=deque)
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.steps.append((tokens, seconds))
+        if len(self.steps) > self.size:
+            self.steps.popleft()
+
+    def rate(self) -> float:
+        """Tokens per second over the window, leaving out steps slower than five times the
+        median step (a descheduled process measures the machine, not k). Slow steps that k
+        itself causes stay in: the draft's prefill of a newly admitted prompt, a collection
+        of the objects speculation allocates."""
+        tokens, seconds = self.per_step()
+        return tokens / seconds
+
+    def per_step(self) -> tuple[float, float]:
+        """(tokens, seconds) of a mean step, over the same steps as ``rate``."""
+        limit = 5.0 * statistics.median(s for _, s in self.steps)
+        tokens = seconds = 0.0
+        n_steps = 0
+        for n, s in self.steps:
+            if s <= limit:
+                tokens += n
+                seconds += s
+                n_steps += 1
+        return tokens / n_steps, seconds / n_steps
+
+
+@dataclass(frozen=True)
+class SloState:
+    """What the goodput objective weighs in one step (built by the scheduler): per decoding
+    request, the seconds since its first token and the tokens after it (its TPOT so far is
+    their ratio); per request still without a first token (queued or in prefill), the
+    seconds since it arrived."""
+
+    decode_elapsed_s: tuple[float, ...] = ()
+    decode_tokens: tuple[int, ...] = ()
+    waiting_ages_s: tuple[float, ...] = ()
+
+
+@dataclass
 class AdaptiveSpeculation:
     k_max: int = 8
     fixed_k: int | None = None
@@ -132,12 +188,18 @@ class AdaptiveSpeculation:
     # Forgetting without touching every share per round: each round weighs 1/forget times
     # more than the one before; a share's count in rounds is its weight / _unit.
     _unit: float = 1.0
-    # Measured throughput: (batch bucket, k) -> [tokens/s, weight], forgotten per observation.
-    explore_len: int = 3
+    # The first step after a switch is not steady and the last is reported after the next
+    # choice: 3 measured steps when it ends.
+    explore_len: int = 5
     switch_margin: float = 0.05  # speculation stays on only while measured >= 5% above off
-    rate_forget: float = 0.8
-    min_rate_weight: float = 1.5
-    rates: dict = field(default_factory=dict)
+    # Measured throughput: (batch bucket, k) -> its last rate_window steady steps.
+    rate_window: int = 32
+    min_rate_steps: int = 3
+    rates: dict[tuple[int, int], _RateWindow] = field(default_factory=dict)
+    # "throughput": tokens/s; "goodput": tokens/s of the requests that meet slo's bounds.
+    objective: str = "throughput"
+    slo: SloBounds | None = None
+    num_goodput_overrides: int = 0  # steps where goodput chose another k than throughput would
     _prev_k: int = -1
     _last_b: int = 0
     _explore_left: int = 0
@@ -145,7 +207,7 @@ class AdaptiveSpeculation:
     _explore_turn: int = 0
     # Per batch bucket: exploration interval multiplier (doubles, up to max_backoff, while the
     # explorations keep confirming speculation off there) and steps since its last one.
-    max_backoff: int = 8
+    max_backoff: int = 32  # an exploration of k > 0 after a long time off costs the draft a catch-up
     _backoff: dict = field(default_factory=dict)
     _since_explore: dict = field(default_factory=dict)
     _judge_bucket: int | None = None  # an exploration just ended here: its verdict is pending
@@ -242,15 +304,23 @@ class AdaptiveSpeculation:
         if self.fixed_k is not None or seconds <= 0 or not steady or num_decoding <= 0:
             return
         key = (self.bucket(num_decoding), k)
-        rate, weight = self.rates.get(key, (0.0, 0.0))
-        f = self.rate_forget
-        weight = weight * f + 1.0
-        rate += (num_tokens / seconds - rate) / weight
-        self.rates[key] = (rate, weight)
+        window = self.rates.get(key)
+        if window is None:
+            window = self.rates[key] = _RateWindow(self.rate_window)
+        window.add(num_tokens, seconds)
 
     def measured_rate(self, num_decoding: int, k: int) -> float | None:
-        rate, weight = self.rates.get((self.bucket(num_decoding), k), (0.0, 0.0))
-        return rate if weight >= self.min_rate_weight else None
+        window = self.rates.get((self.bucket(num_decoding), k))
+        return window.rate() if window is not None and len(window.steps) >= self.min_rate_steps else None
+
+    def _best_measured(self, num_decoding: int, cap: int) -> tuple[int, float | None]:
+        """The measured k in 1..cap with the highest rate in this bucket (0, None: none)."""
+        best_k, best = 0, None
+        for k in range(1, cap + 1):
+            rate = self.measured_rate(num_decoding, k)
+            if rate is not None and (best is None or rate > best):
+                best_k, best = k, rate
+        return best_k, best
 
     def _set(self, k: int, num_decoding: int) -> int:
         self._prev_k, self.last_k, self._last_b = self.last_k, k, num_decoding
@@ -262,7 +332,9 @@ class AdaptiveSpeculation:
             return self.k_max
         return max(0, min(self.k_max, self.max_rows // max(num_decoding, 1) - 1))
 
-    def choose_k(self, num_decoding: int) -> int:
+    def choose_k(self, num_decoding: int, slo_state: SloState | None = None) -> int:
+        """k for the next round at ``num_decoding`` decoding requests (``slo_state``: what
+        the goodput objective needs; ignored under the throughput objective)."""
         if self.fixed_k is not None:
             self.last_k = self.fixed_k
             return self.fixed_k
@@ -272,13 +344,16 @@ class AdaptiveSpeculation:
         cap = self.k_cap(num_decoding)
         if cap == 0:
             return self._set(0, num_decoding)  # no k fits the rows: nothing to explore either
-        if not (self.target_cost.ready and self.draft_cost.ready):
-            return self._set(min(cap, max(1, self.k_max // 2)), num_decoding)  # bootstrap: measure both models
         if self._explore_left > 0:
             self._explore_left -= 1
             return self._set(min(self._explore_k, cap), num_decoding)
-        model_k, best_pos = self._model_choice(num_decoding, cap)
         bkt = self.bucket(num_decoding)
+        off = self.measured_rate(num_decoding, 0)
+        if off is None or not self.target_cost.ready:
+            return self._explore(0, bkt, num_decoding)  # measured first: speculation off
+        if not self.draft_cost.ready:
+            return self._explore(1, bkt, num_decoding)  # the draft's cost, at the cheapest k
+        model_k, best_pos = self._model_choice(num_decoding, cap)
         since = self._since_explore.get(bkt, 0) + 1
         self._since_explore[bkt] = since
         if since >= self.explore_every * self._backoff.get(bkt, 1):
@@ -287,27 +362,80 @@ class AdaptiveSpeculation:
             self._since_explore[bkt] = 0
             turn = self._explore_turn % 3
             self._explore_turn += 1
-            self._explore_k = 0 if turn == 0 else best_pos if turn == 1 else \
-                self._rng.randint(0, min(cap, best_pos + 1))
-            self._explore_left = self.explore_len - 1
             self._judge_bucket = bkt
-            return self._set(self._explore_k, num_decoding)
-        k = model_k
-        off = self.measured_rate(num_decoding, 0)
-        # With a margin towards off: every switch back on costs the draft a catch-up over the
-        # tokens generated meanwhile, which no steady step measures.
-        if k > 0:
-            on = self.measured_rate(num_decoding, k)
-            if on is not None and off is not None and on < off * (1.0 + self.switch_margin):
-                k = 0  # measured: this k does not clearly beat speculation off
-        else:
-            on = self.measured_rate(num_decoding, best_pos)
-            if on is not None and off is not None and on > off * (1.0 + 2 * self.switch_margin):
-                k = best_pos  # measured: the model's best k > 0 clearly beats off
+            return self._explore(0 if turn == 0 else best_pos if turn == 1 else
+                                 self._rng.randint(0, min(cap, best_pos + 1)), bkt, num_decoding)
+        k = 0
+        if model_k > 0 or self.measured_rate(num_decoding, best_pos) is not None:
+            # Measured beats modelled: the model's k where it is measured, else the best
+            # measured k; with a margin towards off (see the module docstring).
+            cand = model_k if model_k > 0 else best_pos
+            on = self.measured_rate(num_decoding, cand)
+            if on is None:
+                cand, on = self._best_measured(num_decoding, cap)
+            if on is None:
+                self._judge_bucket = bkt  # its verdict sets the bucket's backoff too
+                return self._explore(cand if cand else best_pos, bkt, num_decoding)
+            margin = self.switch_margin if self.last_k > 0 else 2 * self.switch_margin
+            if on >= off * (1.0 + margin):
+                k = cand
+        if self.objective == "goodput" and slo_state is not None:
+            k = self._goodput_choice(num_decoding, k, cap, slo_state)
         if self._judge_bucket == bkt:
             # The first choice after an exploration here: off again means explore less often.
             self._backoff[bkt] = min(self._backoff.get(bkt, 1) * 2, self.max_backoff) if k == 0 else 1
             self._judge_bucket = None
+        return self._set(k, num_decoding)
+
+    def goodput(self, num_decoding: int, k: int, state: SloState) -> float | None:
+        """Predicted tokens/s of the requests that still meet the bounds after one step with
+        ``k``, from this bucket's measured steps (None: k not measured here)."""
+        figures = self._goodput_figures(num_decoding, k, state)
+        return None if figures is None else figures[0] * figures[1]
+
+    def _goodput_figures(self, num_decoding: int, k: int, state: SloState) -> tuple[int, float] | None:
+        """(requests within the bounds after one step with ``k``, tokens/s a request). A
+        decoding request stays within the TPOT bound while (seconds since its first token +
+        the step) / (tokens after it + the step's tokens a request) does; a request without
+        its first token meets the TTFT bound only if its age plus the step does (it cannot
+        get one sooner). Each counts at the step's tokens/s a request (one waiting now will
+        decode at about that rate)."""
+        window = self.rates.get((self.bucket(num_decoding), k))
+        if window is None or len(window.steps) < self.min_rate_steps:
+            return None
+        tokens, seconds = window.per_step()
+        per_request = tokens / max(num_decoding, 1)
+        slo = self.slo or SloBounds()
+        ok = 0
+        for elapsed, n in zip(state.decode_elapsed_s, state.decode_tokens):
+            ok += slo.tpot_s is None or (elapsed + seconds) / (n + per_request) <= slo.tpot_s
+        for age in state.waiting_ages_s:
+            ok += slo.ttft_s is None or age + seconds <= slo.ttft_s
+        return ok, per_request / seconds
+
+    def _goodput_choice(self, num_decoding: int, k_thr: int, cap: int, state: SloState) -> int:
+        """The measured k (0 included) with the most goodput, where it keeps a different
+        number of requests within the bounds than throughput's k and beats it by
+        switch_margin; else throughput's k (with the same requests in bound, goodput is
+        throughput, and throughput's choice carries its measured margins)."""
+        incumbent = self._goodput_figures(num_decoding, k_thr, state)
+        if incumbent is None:
+            return k_thr
+        inc_ok, inc_rate = incumbent
+        best_k, best = k_thr, inc_ok * inc_rate
+        for k in range(cap + 1):
+            figures = self._goodput_figures(num_decoding, k, state)
+            if figures is not None and figures[0] != inc_ok and figures[0] * figures[1] > best:
+                best_k, best = k, figures[0] * figures[1]
+        if best_k != k_thr and best > inc_ok * inc_rate * (1.0 + self.switch_margin):
+            self.num_goodput_overrides += 1
+            return best_k
+        return k_thr
+
+    def _explore(self, k: int, bucket: int, num_decoding: int) -> int:
+        """Run ``k`` for the next ``explore_len`` steps (this one included)."""
+        self._explore_k = k
+        self._explore_left = self.explore_len - 1
         return self._set(k, num_decoding)
 
     def _model_choice(self, num_decoding: int, cap: int | None = None) -> tuple[int, int]:
