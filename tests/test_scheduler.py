@@ -300,7 +300,7 @@ def test_seeded_sampled_requests_take_the_controllers_k_like_everyone_else():
                               frozenset({EOS}), 1024))
         s.add_request(Request("greedy", list(range(20, 26)), SamplingParams(temperature=0, max_tokens=30),
                               frozenset({EOS}), 1024))
-        s.speculation.choose_k = lambda num_decoding, slo_state=None, chosen=chosen: chosen
+        s.speculation.choose_k = lambda num_decoding, slo_state=None, greedy=False, chosen=chosen: chosen
         out = s.schedule()
         assert {q.request_id: q.num_lookahead_tokens for q in out.scheduled} == {"seeded": chosen, "greedy": chosen}
 
@@ -315,7 +315,7 @@ def test_the_goodput_objective_sees_each_requests_decode_so_far_and_the_waiting_
     ctl = AdaptiveSpeculation(k_max=4, objective="goodput", slo=SloBounds(tpot_s=0.05, ttft_s=0.5))
     s = Scheduler(SchedulerConfig(2, 64, True), BlockPool(64, 4, False), ctl)
     seen = []
-    ctl.choose_k = lambda num_decoding, slo_state=None: seen.append(slo_state) or 0
+    ctl.choose_k = lambda num_decoding, slo_state=None, greedy=False: seen.append(slo_state) or 0
     s.add_request(req("a", 6, max_tokens=20))
     run_step(s)  # a's prompt and first token
     run_step(s)  # a: one token after the first

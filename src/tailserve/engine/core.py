@@ -54,7 +54,7 @@ class _StepTiming:
     propose_s: float
     decode_only: bool
     num_emitted: int = 0
-    spec_round: tuple[int, int, bool] | None = None
+    spec_round: tuple[int, int, bool, bool] | None = None
 
 
 class EngineCore:
@@ -215,7 +215,12 @@ class EngineCore:
         and the whole step (scheduling, bookkeeping, output processing and detokenizing: paid
         per step with or without drafts). Only decode/verify steps: a prefill chunk's tokens
         cost more each (their attention spans the chunk), and fitted together with decodes
-        they would make every verified token look several times dearer."""
+        they would make every verified token look several times dearer. (Left out of the
+        measured throughput too, which makes speculation look better than it is where it
+        staggers admissions: with drafts, requests of equal length finish at different steps
+        and the next ones are admitted one by one, each in a step that costs 2-4x a decode
+        step; counting those steps as well was tried and made the controller's choices at
+        batch 16 noisier, not better, on the built-in pair.)"""
         timing, self._pending_timing = self._pending_timing, None
         if timing is None or self.scheduler.speculation is None or not timing.decode_only:
             return

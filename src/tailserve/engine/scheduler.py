@@ -301,7 +301,8 @@ class Scheduler:
         assert spec is not None
         num_decoding = sum(1 for s in out.scheduled if s.sample)
         slo_state = self._slo_state(out, chosen) if num_decoding and spec.objective == "goodput" else None
-        k = spec.choose_k(num_decoding, slo_state) if num_decoding else 0
+        greedy = all(req.params.greedy for s, req in zip(out.scheduled, chosen) if s.sample)
+        k = spec.choose_k(num_decoding, slo_state, greedy) if num_decoding else 0
         if num_decoding:
             out.spec_round = spec.last_round
         for idx, (s, req) in enumerate(zip(out.scheduled, chosen)):

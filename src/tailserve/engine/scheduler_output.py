@@ -106,8 +106,9 @@ class SchedulerOutput:
     # copy-on-write of a fork (parallel sampling).
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # The speculation policy's choice for this step (decoding requests, k, steady: the same
-    # k as the previous step), reported back with the step's cost (StepCost.spec_round).
-    spec_round: tuple[int, int, bool] | None = None
+    # k as the previous step, all greedy), reported back with the step's cost
+    # (StepCost.spec_round).
+    spec_round: tuple[int, int, bool, bool] | None = None
     grammar: GrammarBitmask | None = None  # masks of the constrained requests that sample
 
     @property
@@ -186,7 +187,7 @@ class StepCost:
     total_s: float
     target_forward_s: float
     propose_s: float
-    spec_round: tuple[int, int, bool] | None = None  # the step's SchedulerOutput.spec_round
+    spec_round: tuple[int, int, bool, bool] | None = None  # the step's SchedulerOutput.spec_round
 
 class StepAppliedError(RuntimeError):
     """A step failed after its results were applied to the worker's state (in the proposal):

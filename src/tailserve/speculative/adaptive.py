@@ -28,7 +28,7 @@ being free and the best k falls, down to 0 (speculation off). With a fixed
 The model can still be wrong where costs are not linear (a compiled kernel that takes up to
 16 rows, a batch that spills to a slower path) or are not in it (the rejection sampler, the
 draft's bookkeeping). So the controller also measures what each k delivered: tokens emitted
-per second of whole step, per batch-size bucket (1, 2, 3-4, 5-8, ...), from steps whose k
+per second of whole step, per batch-size bucket (1, 2, 3-4, 5-8, ...; all-greedy batches apart), from steps whose k
 equals the previous step's (a step verifies the previous step's drafts and proposes its
 own), over the last ``rate_window`` such steps, as total tokens over total seconds without
 the steps that took more than five times the median (a descheduled process: on a shared
@@ -39,9 +39,10 @@ the controller measures it first (off first: a cold start never speculates on th
 word alone), then speculates only while the measured k beats off by ``switch_margin``
 (twice that to switch back on: every switch back on costs the draft a catch-up over the
 tokens generated meanwhile, which no steady step measures). Explorations last
-``explore_len`` steps and take turns: off, the model's choice, a random k (at most one above
-the model's best); while they keep confirming speculation off in a bucket, they come half as
-often each time (down to 1 in ``max_backoff`` x explore_every steps). Measured on the
+``explore_len`` steps; while speculating they take turns (off, the model's choice, a random k
+at most one above the model's best), while off they probe k = 1; while
+they keep confirming speculation off in a bucket, they come half as often each time (down
+to 1 in ``max_backoff`` x explore_every steps). Measured on the
 built-in pair (docs/benchmarks.md): without the measured check, batch 16 greedy ran at 0.73x
 of speculation off on a 2-core AVX2 CPU; with the running average of per-step rates, batch 16
 at temperature 0.8 ran at 0.82x on an AVX-512 one."""
@@ -207,10 +208,16 @@ class AdaptiveSpeculation:
     _explore_turn: int = 0
     # Per batch bucket: exploration interval multiplier (doubles, up to max_backoff, while the
     # explorations keep confirming speculation off there) and steps since its last one.
-    max_backoff: int = 32  # an exploration of k > 0 after a long time off costs the draft a catch-up
+    # An exploration of k > 0 after a long time off costs the draft a catch-up over every token
+    # generated meanwhile (~0.1 s for 16 requests x 180 tokens on the built-in draft, AVX-512):
+    # about what keeping it in step all along would have cost. So confirmed-off buckets double
+    # their interval with no practical bound.
+    max_backoff: int = 1024
     _backoff: dict = field(default_factory=dict)
     _since_explore: dict = field(default_factory=dict)
     _judge_bucket: int | None = None  # an exploration just ended here: its verdict is pending
+    _greedy: bool = False  # the batch class of the choice being made (see ``bucket``)
+    _decided: dict[int, int] = field(default_factory=dict)  # per bucket: the last k decided (not explored)
 
     def __post_init__(self) -> None:
         n = self.k_max + 1
@@ -286,31 +293,38 @@ class AdaptiveSpeculation:
         return out
 
     @staticmethod
-    def bucket(num_decoding: int) -> int:
-        """Batch-size bucket: 1, 2, 3-4, 5-8, 9-16, ... -> 0, 1, 2, 3, 4, ..."""
-        return max(num_decoding - 1, 0).bit_length()
+    def bucket(num_decoding: int, greedy: bool = False) -> int:
+        """Batch-size bucket: 1, 2, 3-4, 5-8, 9-16, ... -> 0, 2, 4, 6, 8, ... (+ 1 for a
+        batch of greedy requests only: their acceptance, and so what k buys, differs from a
+        sampled batch's, and a server that alternates between the two should not carry one's
+        measurements over to the other)."""
+        return 2 * max(num_decoding - 1, 0).bit_length() + bool(greedy)
 
     @property
-    def last_round(self) -> tuple[int, int, bool]:
+    def last_round(self) -> tuple[int, int, bool, bool]:
         """The choice just made: (decoding requests, k, whether the previous step chose the
-        same k). A step's measured throughput is reported with it (``observe_throughput``),
-        since the engine learns a step's whole cost only after the next choice is made."""
-        return self._last_b, self.last_k, self._prev_k == self.last_k
+        same k, whether they were all greedy). A step's measured throughput is reported with
+        it (``observe_throughput``), since the engine learns a step's whole cost only after
+        the next choice is made."""
+        return self._last_b, self.last_k, self._prev_k == self.last_k, self._greedy
 
-    def observe_throughput(self, num_tokens: int, seconds: float, num_decoding: int, k: int, steady: bool) -> None:
+    def observe_throughput(self, num_tokens: int, seconds: float, num_decoding: int, k: int, steady: bool,
+                           greedy: bool = False) -> None:
         """A decode/verify step of ``num_decoding`` requests drafting ``k`` (its ``last_round``)
         emitted ``num_tokens`` tokens in ``seconds`` of whole step. Counted for its k only
         when the previous step chose the same k (steady state)."""
         if self.fixed_k is not None or seconds <= 0 or not steady or num_decoding <= 0:
             return
-        key = (self.bucket(num_decoding), k)
+        key = (self.bucket(num_decoding, greedy), k)
         window = self.rates.get(key)
         if window is None:
             window = self.rates[key] = _RateWindow(self.rate_window)
         window.add(num_tokens, seconds)
 
     def measured_rate(self, num_decoding: int, k: int) -> float | None:
-        window = self.rates.get((self.bucket(num_decoding), k))
+        """Tokens/s measured with ``k`` at this batch size, for the batch class (greedy or
+        not) of the choice being made."""
+        window = self.rates.get((self.bucket(num_decoding, self._greedy), k))
         return window.rate() if window is not None and len(window.steps) >= self.min_rate_steps else None
 
     def _best_measured(self, num_decoding: int, cap: int) -> tuple[int, float | None]:
@@ -332,9 +346,10 @@ class AdaptiveSpeculation:
             return self.k_max
         return max(0, min(self.k_max, self.max_rows // max(num_decoding, 1) - 1))
 
-    def choose_k(self, num_decoding: int, slo_state: SloState | None = None) -> int:
-        """k for the next round at ``num_decoding`` decoding requests (``slo_state``: what
-        the goodput objective needs; ignored under the throughput objective)."""
+    def choose_k(self, num_decoding: int, slo_state: SloState | None = None, greedy: bool = False) -> int:
+        """k for the next round at ``num_decoding`` decoding requests, all greedy or not
+        (``slo_state``: what the goodput objective needs; ignored under throughput)."""
+        self._greedy = greedy
         if self.fixed_k is not None:
             self.last_k = self.fixed_k
             return self.fixed_k
@@ -347,7 +362,7 @@ class AdaptiveSpeculation:
         if self._explore_left > 0:
             self._explore_left -= 1
             return self._set(min(self._explore_k, cap), num_decoding)
-        bkt = self.bucket(num_decoding)
+        bkt = self.bucket(num_decoding, greedy)
         off = self.measured_rate(num_decoding, 0)
         if off is None or not self.target_cost.ready:
             return self._explore(0, bkt, num_decoding)  # measured first: speculation off
@@ -357,12 +372,18 @@ class AdaptiveSpeculation:
         since = self._since_explore.get(bkt, 0) + 1
         self._since_explore[bkt] = since
         if since >= self.explore_every * self._backoff.get(bkt, 1):
-            # Keep the cost fits and the measured rates fresh: off, the model's k, a random k
-            # (at most one above the model's best k > 0: a long draft at a large batch costs).
+            # Keep the cost fits and the measured rates fresh. While on: off, the model's k, a
+            # random k (at most one above the model's best k > 0: a long draft at a large batch
+            # costs). While off, k = 1, the cheapest probe of whether speculation pays now
+            # (once on, the turns find a better k): each such exploration also costs the draft
+            # a catch-up over every token generated since it last ran, and probing k = 5 at
+            # batch 16 cost several percent of the whole run (AVX-512, built-in pair).
             self._since_explore[bkt] = 0
+            self._judge_bucket = bkt
+            if self._decided.get(bkt, 0) == 0:
+                return self._explore(1, bkt, num_decoding)
             turn = self._explore_turn % 3
             self._explore_turn += 1
-            self._judge_bucket = bkt
             return self._explore(0 if turn == 0 else best_pos if turn == 1 else
                                  self._rng.randint(0, min(cap, best_pos + 1)), bkt, num_decoding)
         k = 0
@@ -376,7 +397,8 @@ class AdaptiveSpeculation:
             if on is None:
                 self._judge_bucket = bkt  # its verdict sets the bucket's backoff too
                 return self._explore(cand if cand else best_pos, bkt, num_decoding)
-            margin = self.switch_margin if self.last_k > 0 else 2 * self.switch_margin
+            # Whether this bucket was on before (an exploration's own k does not count).
+            margin = self.switch_margin if self._decided.get(bkt, 0) > 0 else 2 * self.switch_margin
             if on >= off * (1.0 + margin):
                 k = cand
         if self.objective == "goodput" and slo_state is not None:
@@ -385,6 +407,7 @@ class AdaptiveSpeculation:
             # The first choice after an exploration here: off again means explore less often.
             self._backoff[bkt] = min(self._backoff.get(bkt, 1) * 2, self.max_backoff) if k == 0 else 1
             self._judge_bucket = None
+        self._decided[bkt] = k
         return self._set(k, num_decoding)
 
     def goodput(self, num_decoding: int, k: int, state: SloState) -> float | None:
@@ -400,7 +423,7 @@ class AdaptiveSpeculation:
         its first token meets the TTFT bound only if its age plus the step does (it cannot
         get one sooner). Each counts at the step's tokens/s a request (one waiting now will
         decode at about that rate)."""
-        window = self.rates.get((self.bucket(num_decoding), k))
+        window = self.rates.get((self.bucket(num_decoding, self._greedy), k))
         if window is None or len(window.steps) < self.min_rate_steps:
             return None
         tokens, seconds = window.per_step()
