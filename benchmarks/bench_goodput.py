@@ -66,10 +66,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--fractions", default="0.25,0.5,0.75,1.0,1.5",
                     help="request rates as fractions of speculation off's saturation rate")
+    ap.add_argument("--rates", default=None, help="request rates (req/s, comma-separated) instead of --fractions")
     ap.add_argument("--seconds", type=float, default=8.0, help="about how long each run sends (sets its count)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=12.0)
     ap.add_argument("--slo-ttft-ms", type=float, default=250.0)
+    ap.add_argument("--configs", default=None, help="only these configurations, comma-separated (off is always in)")
     ap.add_argument("--calibrate", action="store_true", help="only print off's latencies at light load and saturation")
     ap.add_argument("--png", default=None)
     ap.add_argument("--json", default=None)
@@ -84,6 +86,12 @@ def main() -> None:
     names = configs(slo)
     if args.calibrate:
         names = {"off": names["off"]}
+    elif args.configs:
+        wanted = {"off", *args.configs.split(",")}
+        unknown = wanted - set(names)
+        if unknown:
+            raise SystemExit(f"--configs: unknown {', '.join(sorted(unknown))} (known: {', '.join(names)})")
+        names = {n: f for n, f in names.items() if n in wanted}
 
     def dataset(n: int):
         return load_dataset(DatasetConfig(name="python", num_prompts=n, input_len=96, output_len=128, seed=0), tok)
@@ -99,7 +107,8 @@ def main() -> None:
             light = measure(servers["off"].url, dataset(12), tok, capacity * 0.2, args.temperature, goodput)
             print(f"off at 0.2x: TTFT P99 {light['p99_ttft_ms']:.0f} ms, TPOT P99 {light['p99_tpot_ms']:.1f} ms")
             return
-        rates = [capacity * float(f) for f in args.fractions.split(",")]
+        rates = [float(r) for r in args.rates.split(",")] if args.rates else \
+            [capacity * float(f) for f in args.fractions.split(",")]
         cells: dict[tuple[str, int], list[dict]] = {}
         for r in range(args.rounds):
             for i, rate in enumerate(rates):
@@ -122,8 +131,8 @@ def main() -> None:
         row = {name: {key: med(name, i, key) for key in ("request_goodput", "output_throughput", "p99_tpot_ms",
                                                           "p99_ttft_ms", "request_throughput")}
                for name in names}
-        best_fixed = max(row[n]["request_goodput"] for n in ("off", "k=2", "k=4"))
-        ratio = row["goodput"]["request_goodput"] / best_fixed if best_fixed else float("nan")
+        best_fixed = max(row[n]["request_goodput"] for n in ("off", "k=2", "k=4") if n in row)
+        ratio = row["goodput"]["request_goodput"] / best_fixed if best_fixed and "goodput" in row else float("nan")
         print(f"{rate:>6.2f} | " + " ".join(f"{row[n]['request_goodput']:>10.2f}" for n in names)
               + f" | {ratio:.2f}x")
         table.append({"rate": rate, **row})

@@ -213,20 +213,20 @@ class EngineCore:
         reaches the speculation policy with the next ``Scheduler.update`` (the policy's one
         input route), as a ``StepCost``: the target's forward with its sampling, the proposal,
         and the whole step (scheduling, bookkeeping, output processing and detokenizing: paid
-        per step with or without drafts). Only decode/verify steps: a prefill chunk's tokens
-        cost more each (their attention spans the chunk), and fitted together with decodes
-        they would make every verified token look several times dearer. (Left out of the
-        measured throughput too, which makes speculation look better than it is where it
-        staggers admissions: with drafts, requests of equal length finish at different steps
-        and the next ones are admitted one by one, each in a step that costs 2-4x a decode
-        step; counting those steps as well was tried and made the controller's choices at
-        batch 16 noisier, not better, on the built-in pair.)"""
+        per step with or without drafts). The cost model is fitted on decode/verify steps
+        only: a prefill chunk's tokens cost more each (their attention spans the chunk), and
+        fitted together with decodes they would make every verified token look several times
+        dearer. The measured throughput counts every step: a served load admits requests all
+        the time, and a step that admits one costs 2-4x a decode step, more with drafts (the
+        draft's prefill of the prompt, the verify rows beside the chunk); leaving those steps
+        out made speculation look faster than it was at saturation (built-in pair, AVX-512,
+        Poisson arrivals: docs/benchmarks.md)."""
         timing, self._pending_timing = self._pending_timing, None
-        if timing is None or self.scheduler.speculation is None or not timing.decode_only:
+        if timing is None or self.scheduler.speculation is None:
             return
         end_ns = time.perf_counter_ns() if end_ns is None else end_ns
         self._last_cost = StepCost(timing.num_tokens, timing.num_emitted, (end_ns - timing.started_ns) * 1e-9,
-                                   timing.target_forward_s, timing.propose_s, timing.spec_round)
+                                   timing.target_forward_s, timing.propose_s, timing.spec_round, timing.decode_only)
 
     def _record_step(self, sched, duration_ns: int, preemptions: int) -> None:
         running = self.scheduler.running

@@ -383,7 +383,8 @@ class Scheduler:
         spec = self.speculation
         if spec is not None and last_step is not None:
             fwd = last_step.target_forward_s
-            spec.observe_step(last_step.num_tokens, fwd, max(last_step.total_s - fwd - last_step.propose_s, 0.0))
+            if last_step.decode_only:
+                spec.observe_step(last_step.num_tokens, fwd, max(last_step.total_s - fwd - last_step.propose_s, 0.0))
             if last_step.spec_round is not None:
                 spec.observe_throughput(last_step.num_emitted, last_step.total_s, *last_step.spec_round)
         for seq in sched.scheduled:

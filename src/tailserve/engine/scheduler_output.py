@@ -178,9 +178,9 @@ def verified(num_scheduled_tokens: int, num_drafts: int, num_emitted: int) -> tu
 
 @dataclass(frozen=True)
 class StepCost:
-    """A finished decode/verify step's measured cost (the engine core's clock: from
-    scheduling to the end of output processing), handed to the speculation policy by the
-    next ``Scheduler.update``."""
+    """A finished step's measured cost (the engine core's clock: from scheduling to the end
+    of output processing), handed to the speculation policy by the next
+    ``Scheduler.update``."""
 
     num_tokens: int  # tokens the target computed
     num_emitted: int  # tokens the step gave its requests
@@ -188,6 +188,9 @@ class StepCost:
     target_forward_s: float
     propose_s: float
     spec_round: tuple[int, int, bool, bool] | None = None  # the step's SchedulerOutput.spec_round
+    # No prompt tokens in it: only such steps feed the cost model's fit (a prefill chunk's
+    # tokens cost more each); every step counts in the measured throughput.
+    decode_only: bool = True
 
 class StepAppliedError(RuntimeError):
     """A step failed after its results were applied to the worker's state (in the proposal):

@@ -310,8 +310,9 @@ class AdaptiveSpeculation:
 
     def observe_throughput(self, num_tokens: int, seconds: float, num_decoding: int, k: int, steady: bool,
                            greedy: bool = False) -> None:
-        """A decode/verify step of ``num_decoding`` requests drafting ``k`` (its ``last_round``)
-        emitted ``num_tokens`` tokens in ``seconds`` of whole step. Counted for its k only
+        """A step with ``num_decoding`` decoding requests drafting ``k`` (its ``last_round``;
+        prompt chunks beside them included) emitted ``num_tokens`` tokens in ``seconds`` of
+        whole step. Counted for its k only
         when the previous step chose the same k (steady state)."""
         if self.fixed_k is not None or seconds <= 0 or not steady or num_decoding <= 0:
             return
