@@ -28,7 +28,8 @@ being free and the best k falls, down to 0 (speculation off). With a fixed
 The model can still be wrong where costs are not linear (a compiled kernel that takes up to
 16 rows, a batch that spills to a slower path) or are not in it (the rejection sampler, the
 draft's bookkeeping). So the controller also measures what each k delivered: tokens emitted
-per second of whole step, per batch-size bucket (1, 2, 3-4, 5-8, ...; all-greedy batches apart), from steps whose k
+per second of whole step (steps that admit requests included), per batch-size bucket (1, 2,
+3-4, 5-8, ...; all-greedy batches apart), from steps whose k
 equals the previous step's (a step verifies the previous step's drafts and proposes its
 own), over the last ``rate_window`` such steps, as total tokens over total seconds without
 the steps that took more than five times the median (a descheduled process: on a shared
