@@ -283,7 +283,7 @@ def test_goodput_speculates_for_a_request_at_its_tpot_bound_where_throughputs_ma
     assert good.choose_k(4, within) == 0 and good.num_goodput_overrides == 0
 
 
-def test_goodput_with_a_k_never_measured_keeps_throughputs_choice():
+def test_goodput_of_a_k_never_measured_here_is_unknown():
     from tailserve.speculative.adaptive import SloState
 
     ctl = _measured(1, {0: (1, 0.005)}, ttft_s=0.001)

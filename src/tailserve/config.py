@@ -34,7 +34,6 @@ def parse_bytes(text: str | int) -> int:
     return int(value * _SIZE_SUFFIXES[suffix])
 
 
-
 SLO_KEYS = {"p99_tpot_ms": "tpot_s", "p99_ttft_ms": "ttft_s"}
 
 
@@ -67,6 +66,7 @@ def parse_slo(text: str) -> SloBounds:
             raise ConfigError(f"slo: {item.strip()!r}: the bound must be a positive number of milliseconds")
         bounds[SLO_KEYS[key]] = ms / 1000.0
     return SloBounds(**bounds)
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:

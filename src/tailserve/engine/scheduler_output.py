@@ -192,6 +192,7 @@ class StepCost:
     # tokens cost more each); every step counts in the measured throughput.
     decode_only: bool = True
 
+
 class StepAppliedError(RuntimeError):
     """A step failed after its results were applied to the worker's state (in the proposal):
     it cannot run again, so its requests fail; an error before that point (an out-of-memory

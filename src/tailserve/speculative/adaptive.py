@@ -126,11 +126,13 @@ class _RateWindow:
 
     size: int = 32
     steps: deque = field(default_factory=deque)
+    _mean: tuple[float, float] | None = None  # per_step(), until the next step comes in
 
     def add(self, tokens: int, seconds: float) -> None:
         self.steps.append((tokens, seconds))
         if len(self.steps) > self.size:
             self.steps.popleft()
+        self._mean = None
 
     def rate(self) -> float:
         """Tokens per second over the window, leaving out steps slower than five times the
@@ -141,16 +143,13 @@ class _RateWindow:
         return tokens / seconds
 
     def per_step(self) -> tuple[float, float]:
-        """(tokens, seconds) of a mean step, over the same steps as ``rate``."""
-        limit = 5.0 * statistics.median(s for _, s in self.steps)
-        tokens = seconds = 0.0
-        n_steps = 0
-        for n, s in self.steps:
-            if s <= limit:
-                tokens += n
-                seconds += s
-                n_steps += 1
-        return tokens / n_steps, seconds / n_steps
+        """(tokens, seconds) of a mean step, over the same steps as ``rate`` (kept until the
+        next step: a choice reads several windows several times a step)."""
+        if self._mean is None:
+            limit = 5.0 * statistics.median(s for _, s in self.steps)
+            kept = [(n, s) for n, s in self.steps if s <= limit]
+            self._mean = (sum(n for n, _ in kept) / len(kept), sum(s for _, s in kept) / len(kept))
+        return self._mean
 
 
 @dataclass(frozen=True)
@@ -313,8 +312,8 @@ class AdaptiveSpeculation:
                            greedy: bool = False) -> None:
         """A step with ``num_decoding`` decoding requests drafting ``k`` (its ``last_round``;
         prompt chunks beside them included) emitted ``num_tokens`` tokens in ``seconds`` of
-        whole step. Counted for its k only
-        when the previous step chose the same k (steady state)."""
+        whole step. Counted for its k only when the previous step chose the same k (steady
+        state)."""
         if self.fixed_k is not None or seconds <= 0 or not steady or num_decoding <= 0:
             return
         key = (self.bucket(num_decoding, greedy), k)
