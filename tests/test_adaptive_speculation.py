@@ -140,13 +140,14 @@ def _optimistic(k_max=6, **kw):
 
 
 def test_a_cold_controller_measures_off_first_then_the_models_k():
-    """Measured beats modelled: the first steps run off, then the model's k, and only a k
-    that measured above off is kept."""
+    """Measured beats modelled: the first steps run off, then the model's k, then off again
+    (switching on needs off measured after the candidate), and only a k that measured above
+    off is kept."""
     ctl = _optimistic(explore_every=10**9)
     model_k = ctl._model_choice(1)[0]
     assert model_k >= 4
     ks, _ = _run(ctl, 1, lambda k: (1 + k, 0.005 + 0.0005 * k), 40)  # speculating pays
-    assert ks[:5] == [0] * 5 and ks[5:] == [model_k] * 35
+    assert ks[:5] == [0] * 5 and ks[5:10] == [model_k] * 5 and ks[10:15] == [0] * 5 and ks[15:] == [model_k] * 25
     ctl = _optimistic(explore_every=10**9)
     ks, _ = _run(ctl, 1, lambda k: (1 + 0.1 * k, 0.005 * (1 + k)), 40)  # it does not
     assert ks[:5] == [0] * 5 and ks[5:10] == [model_k] * 5 and ks[10:] == [0] * 30
@@ -178,7 +179,9 @@ def test_measured_throughput_overrides_the_cost_model():
     assert ctl2.choose_k(64) == 0  # the model says off, nothing speculative measured: off
     _, best_pos = ctl2._model_choice(64)
     _steady(ctl2, 64, best_pos, tokens=100, seconds=0.1)
-    assert ctl2.choose_k(64) == best_pos
+    # Off was measured before the candidate: measured again first, then the candidate.
+    ks, _ = _run(ctl2, 64, lambda k: (100 if k else 64, 0.1), 8)
+    assert ks == [0] * 5 + [best_pos] * 3
 
 
 def test_one_slow_step_does_not_decide():
@@ -193,6 +196,20 @@ def test_one_slow_step_does_not_decide():
     assert ctl.choose_k(16) == 0
 
 
+def test_a_machine_that_sped_up_meanwhile_does_not_switch_speculation_on():
+    """Off measured while the machine was slow, then k measured after it sped up: k looks
+    better only against the stale off. Off is measured again before switching on, and stays."""
+    ctl = _optimistic(explore_every=10**9)
+    model_k = ctl._model_choice(16)[0]
+    slow = iter([3.0] * 5)  # the first five steps (off) run at a third of the speed
+
+    def machine(k):
+        return 16 * (1 + 0.5 * k), 0.006 * (1 + 0.6 * k) * next(slow, 1.0)  # k never pays
+
+    ks, _ = _run(ctl, 16, machine, 40)
+    assert ks[5:10] == [model_k] * 5 and ks[10:] == [0] * 30
+
+
 def test_on_a_machine_where_no_k_pays_speculation_stays_off():
     """Every k is slower than off (a compute-bound target): over a long run the explorations
     cost at most a few percent of what off delivers."""
@@ -200,6 +217,24 @@ def test_on_a_machine_where_no_k_pays_speculation_stays_off():
     ks, rate = _run(ctl, 16, lambda k: (16 * (1 + 0.6 * k), 0.006 * (1 + k)), 2000)
     off_rate = 16 / 0.006
     assert ks.count(0) > 0.95 * len(ks) and rate > 0.97 * off_rate
+
+
+def test_explorations_that_cost_come_rarely_enough_to_stay_within_the_budget():
+    """Every switch from off to a k costs a catch-up of ten off steps (the draft replays what
+    was generated meanwhile): the explorations of k wait long enough that over a long run
+    they cost about ``explore_budget`` of the time, not the ~40% that one every 24 steps would."""
+    ctl = _optimistic(explore_every=24, max_backoff=1)  # no doubling: the budget alone spaces them
+    prev = [0]
+
+    def machine(k):
+        catch_up = 0.060 if k and not prev[0] else 0.0
+        prev[0] = k
+        return 16 * (1 + 0.5 * k), 0.006 * (1 + 0.5 * k) + catch_up  # k alone breaks even
+
+    ks, rate = _run(ctl, 16, machine, 4000)
+    switches = sum(1 for a, b in itertools.pairwise(ks) if a == 0 and b != 0)
+    assert switches < 4000 * 0.006 * 0.03 / 0.060  # each costs 60 ms of a 24 s run: at most 3% of it
+    assert rate > 0.96 * 16 / 0.006
 
 
 def test_explorations_take_turns_and_last_several_steps():

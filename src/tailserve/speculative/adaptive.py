@@ -37,15 +37,21 @@ the steps that took more than five times the median (a descheduled process: on a
 
 Measured beats modelled: in a bucket where off or the candidate k has no measurement yet,
 the controller measures it first (off first: a cold start never speculates on the model's
-word alone), then speculates only while the measured k beats off by ``switch_margin``
-(twice that to switch back on: every switch back on costs the draft a catch-up over the
-tokens generated meanwhile, which no steady step measures). Explorations last
-``explore_len`` steps; while speculating they take turns (off, the model's choice, a random k
-at most one above the model's best), while off they probe k = 1; while
-they keep confirming speculation off in a bucket, they come half as often each time (down
-to 1 in ``max_backoff`` x explore_every steps). Measured on the
-built-in pair (docs/benchmarks.md): without the measured check, batch 16 greedy ran at 0.73x
-of speculation off on a 2-core AVX2 CPU; with the running average of per-step rates, batch 16
+word alone), then speculates only while the measured k beats off by ``switch_margin``.
+Switching on takes twice that, and off measured again after the candidate and beaten by the
+candidate's newest stretch alone: every switch on costs the draft a catch-up over the tokens
+generated meanwhile, which no steady step measures, and two windows taken minutes apart
+compare the machine's drift (±10-25% here), not k. Explorations last ``explore_len`` steps.
+While speculating they take turns: off, then another k (the model's choice, or where that is
+the k in use a random one at most one above the model's best), so off every other time, since
+an off probe costs little exactly where speculation's lead is thin. While off they probe
+k = 1. Each exploration's cost (its seconds beyond what the k in use would have taken for its
+tokens) sets the least number of steps before the bucket's next, so that explorations cost at
+most ``explore_budget`` of its time; while they keep confirming speculation off in a bucket,
+they also come half as often each time (down to 1 in ``max_backoff`` x explore_every steps).
+Measured on the built-in pair (docs/benchmarks.md): without the measured check, batch 16
+greedy ran at 0.73x of speculation off on a 2-core AVX2 CPU; with the running average of
+per-step rates, batch 16
 at temperature 0.8 ran at 0.82x on an AVX-512 one."""
 
 from __future__ import annotations
@@ -127,8 +133,12 @@ class _RateWindow:
     size: int = 32
     steps: deque = field(default_factory=deque)
     _mean: tuple[float, float] | None = None  # per_step(), until the next step comes in
+    last_step: int = -1  # the controller's step count when the newest step came in
+    run: int = 0  # how many of the newest steps came in consecutively (one stretch of this k)
 
-    def add(self, tokens: int, seconds: float) -> None:
+    def add(self, tokens: int, seconds: float, step: int = -1) -> None:
+        self.run = self.run + 1 if step <= self.last_step + 1 else 1
+        self.last_step = step
         self.steps.append((tokens, seconds))
         if len(self.steps) > self.size:
             self.steps.popleft()
@@ -141,6 +151,14 @@ class _RateWindow:
         of the objects speculation allocates."""
         tokens, seconds = self.per_step()
         return tokens / seconds
+
+    def last_run_rate(self) -> float:
+        """``rate`` over the newest consecutive stretch only (what the machine gave this k
+        lately, for comparing two stretches run one after the other)."""
+        newest = list(self.steps)[-min(self.run, len(self.steps)):]
+        limit = 5.0 * statistics.median(s for _, s in newest)
+        kept = [(n, s) for n, s in newest if s <= limit]
+        return sum(n for n, _ in kept) / sum(s for _, s in kept)
 
     def per_step(self) -> tuple[float, float]:
         """(tokens, seconds) of a mean step, over the same steps as ``rate`` (kept until the
@@ -215,6 +233,12 @@ class AdaptiveSpeculation:
     max_backoff: int = 1024
     _backoff: dict = field(default_factory=dict)
     _since_explore: dict = field(default_factory=dict)
+    # The most a bucket's periodic explorations may cost, as a share of its time: each
+    # exploration's cost (its seconds beyond what the k in use would have taken for the same
+    # tokens, the draft's catch-up included) sets how many steps must pass before the next.
+    explore_budget: float = 0.02
+    _min_interval: dict = field(default_factory=dict)  # per bucket: steps, from the last exploration's cost
+    _probe: dict | None = None  # the exploration being costed (see ``_cost_exploration``)
     _judge_bucket: int | None = None  # an exploration just ended here: its verdict is pending
     _greedy: bool = False  # the batch class of the choice being made (see ``bucket``)
     _decided: dict[int, int] = field(default_factory=dict)  # per bucket: the last k decided (not explored)
@@ -314,13 +338,17 @@ class AdaptiveSpeculation:
         prompt chunks beside them included) emitted ``num_tokens`` tokens in ``seconds`` of
         whole step. Counted for its k only when the previous step chose the same k (steady
         state)."""
-        if self.fixed_k is not None or seconds <= 0 or not steady or num_decoding <= 0:
+        if self.fixed_k is not None or seconds <= 0 or num_decoding <= 0:
+            return
+        if self._probe is not None:
+            self._cost_exploration(num_tokens, seconds)
+        if not steady:
             return
         key = (self.bucket(num_decoding, greedy), k)
         window = self.rates.get(key)
         if window is None:
             window = self.rates[key] = _RateWindow(self.rate_window)
-        window.add(num_tokens, seconds)
+        window.add(num_tokens, seconds, self._steps)
 
     def measured_rate(self, num_decoding: int, k: int) -> float | None:
         """Tokens/s measured with ``k`` at this batch size, for the batch class (greedy or
@@ -372,21 +400,23 @@ class AdaptiveSpeculation:
         model_k, best_pos = self._model_choice(num_decoding, cap)
         since = self._since_explore.get(bkt, 0) + 1
         self._since_explore[bkt] = since
-        if since >= self.explore_every * self._backoff.get(bkt, 1):
-            # Keep the cost fits and the measured rates fresh. While on: off, the model's k, a
-            # random k (at most one above the model's best k > 0: a long draft at a large batch
-            # costs). While off, k = 1, the cheapest probe of whether speculation pays now
-            # (once on, the turns find a better k): each such exploration also costs the draft
+        if since >= max(self.explore_every * self._backoff.get(bkt, 1), self._min_interval.get(bkt, 0)):
+            # Keep the cost fits and the measured rates fresh. While on: off, then another k (at
+            # most one above the model's best k > 0: a long draft at a large batch costs). While
+            # off, k = 1, the cheapest probe of whether speculation pays now (once on, the turns
+            # find a better k): each such exploration also costs the draft
             # a catch-up over every token generated since it last ran, and probing k = 5 at
             # batch 16 cost several percent of the whole run (AVX-512, built-in pair).
             self._since_explore[bkt] = 0
             self._judge_bucket = bkt
             if self._decided.get(bkt, 0) == 0:
                 return self._explore(1, bkt, num_decoding)
-            turn = self._explore_turn % 3
+            turn = self._explore_turn
             self._explore_turn += 1
-            return self._explore(0 if turn == 0 else best_pos if turn == 1 else
-                                 self._rng.randint(0, min(cap, best_pos + 1)), bkt, num_decoding)
+            cur = self._decided[bkt]
+            others = [k for k in range(1, min(cap, best_pos + 1) + 1) if k != cur]
+            alt = best_pos if best_pos != cur else self._rng.choice(others) if others else 0
+            return self._explore(alt if turn % 2 else 0, bkt, num_decoding)
         k = 0
         if model_k > 0 or self.measured_rate(num_decoding, best_pos) is not None:
             # Measured beats modelled: the model's k where it is measured, else the best
@@ -399,9 +429,16 @@ class AdaptiveSpeculation:
                 self._judge_bucket = bkt  # its verdict sets the bucket's backoff too
                 return self._explore(cand if cand else best_pos, bkt, num_decoding)
             # Whether this bucket was on before (an exploration's own k does not count).
-            margin = self.switch_margin if self._decided.get(bkt, 0) > 0 else 2 * self.switch_margin
+            was_on = self._decided.get(bkt, 0) > 0
+            margin = self.switch_margin if was_on else 2 * self.switch_margin
             if on >= off * (1.0 + margin):
-                k = cand
+                if not was_on and self._stale_off(bkt, cand):
+                    # Switching on needs off measured again after the candidate: windows taken
+                    # minutes apart compare the machine's drift (±10-25% here), not k.
+                    self._judge_bucket = bkt
+                    return self._explore(0, bkt, num_decoding)
+                if was_on or self._last_runs_agree(bkt, cand, margin):
+                    k = cand
         if self.objective == "goodput" and slo_state is not None:
             k = self._goodput_choice(num_decoding, k, cap, slo_state)
         if self._judge_bucket == bkt:
@@ -456,11 +493,55 @@ class AdaptiveSpeculation:
             return best_k
         return k_thr
 
+    def _stale_off(self, bkt: int, k: int) -> bool:
+        """Whether off's window in ``bkt`` has no step newer than ``k``'s newest."""
+        off, on = self.rates.get((bkt, 0)), self.rates.get((bkt, k))
+        return off is None or on is None or off.last_step < on.last_step
+
+    def _last_runs_agree(self, bkt: int, k: int, margin: float) -> bool:
+        """Whether ``k``'s newest stretch beat off's (run after it) by ``margin`` too."""
+        return self.rates[(bkt, k)].last_run_rate() >= self.rates[(bkt, 0)].last_run_rate() * (1.0 + margin)
+
     def _explore(self, k: int, bucket: int, num_decoding: int) -> int:
         """Run ``k`` for the next ``explore_len`` steps (this one included)."""
         self._explore_k = k
         self._explore_left = self.explore_len - 1
+        if self._probe is not None:  # its last reports would be this exploration's steps
+            self._end_probe()
+        window = self.rates.get((bucket, self._decided.get(bucket, 0)))
+        if window is not None and len(window.steps) >= self.min_rate_steps and k != self._decided.get(bucket, 0):
+            # Its steps and the one after (which verifies its last drafts) are costed against
+            # the k in use; the report that comes next is still the previous step's.
+            self._probe = {"bucket": bucket, "rate": window.rate(), "step_s": window.per_step()[1],
+                           "skip": 1, "left": self.explore_len + 1, "tokens": 0, "seconds": 0.0}
         return self._set(k, num_decoding)
+
+    def _cost_exploration(self, num_tokens: int, seconds: float) -> None:
+        """One reported step of the exploration being costed; after its last, the bucket's
+        next exploration waits until the budget covers this one's cost."""
+        probe = self._probe
+        assert probe is not None
+        if probe["skip"]:
+            probe["skip"] -= 1
+            return
+        probe["tokens"] += num_tokens
+        probe["seconds"] += seconds
+        probe["left"] -= 1
+        probe["seen"] = probe.get("seen", 0) + 1
+        if probe["left"] == 0:
+            self._end_probe()
+
+    def _end_probe(self) -> None:
+        """Set the bucket's next exploration interval from the costed steps (scaled up to the
+        whole exploration where the next one began before the last were reported)."""
+        probe = self._probe
+        assert probe is not None
+        self._probe = None
+        seen = probe.get("seen", 0)
+        if seen == 0:
+            return
+        cost_s = max(probe["seconds"] - probe["tokens"] / probe["rate"], 0.0) * (seen + probe["left"]) / seen
+        self._min_interval[probe["bucket"]] = int(cost_s / (self.explore_budget * probe["step_s"]))
 
     def _model_choice(self, num_decoding: int, cap: int | None = None) -> tuple[int, int]:
         """(the cost model's best k, its best k > 0), k <= cap (default: ``k_cap``)."""
