@@ -29,6 +29,7 @@ from tailserve.errors import ConfigError, InvalidRequestError
 from tailserve.memory.allocator.monitor import AllocatorMonitor
 from tailserve.memory.allocator.snapshot import cuda_snapshot
 from tailserve.memory.kv_figures import KVCacheFigures
+from tailserve.metrics.prefix_break import PromptSegment
 from tailserve.metrics.prometheus import PrometheusMetrics
 from tailserve.metrics.timeline import RequestMetrics
 from tailserve.model.tokenizer import Tokenizer
@@ -168,9 +169,11 @@ class LLMEngine:
         return self.core.num_steps
 
     # -- requests ------------------------------------------------------------------------
-    def prepare_request(self, prompt: Prompt, params: SamplingParams | None = None) -> PreparedRequest:
-        """Tokenize and validate without touching engine state (safe from another thread)."""
-        return self.processor.process(prompt, params)
+    def prepare_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                        segments: tuple[PromptSegment, ...] = ()) -> PreparedRequest:
+        """Tokenize and validate without touching engine state (safe from another thread);
+        ``segments``: a rendered chat prompt's parts (``Processor.process``)."""
+        return self.processor.process(prompt, params, segments)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_ns: int | None = None) -> str:
@@ -192,7 +195,8 @@ class LLMEngine:
         else:
             self.core.add_request(rid, prepared, arrival_ns)
         self.output_processor.add_request(rid, prepared.prompt, prepared.prompt_token_ids, params,
-                                          arrival_ns if self.metrics_enabled else None, samples)
+                                          arrival_ns if self.metrics_enabled else None, samples,
+                                          prepared.prompt_segments)
         return rid
 
     def abort_request(self, request_id: str) -> RequestMetrics | None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from tailserve.engine.detokenizer import IncrementalDetokenizer
 from tailserve.engine.parallel_sampling import ParentRequest
 from tailserve.engine.scheduler_output import EngineCoreOutput
+from tailserve.metrics.prefix_break import PrefixBreak, PromptSegment, locate_break
 from tailserve.metrics.prometheus import PrometheusMetrics
 from tailserve.metrics.timeline import RequestMetrics, RequestTimeline
 from tailserve.model.tokenizer import Tokenizer
@@ -61,6 +62,8 @@ class _State:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # A sample of a parent request: the parent observes one finished request, not n.
     observe_finish: bool = True
+    prompt_segments: tuple[PromptSegment, ...] = ()
+    prefix_break: PrefixBreak | None = None
 
 
 class OutputProcessor:
@@ -92,21 +95,25 @@ class OutputProcessor:
         return parent.request_id if parent is not None else core_id
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_ns: int | None, samples: list[tuple[str, SamplingParams]] | None = None) -> None:
-        """Track a request; ``samples`` (engine-core id, params) when it is fanned out."""
+                    arrival_ns: int | None, samples: list[tuple[str, SamplingParams]] | None = None,
+                    segments: tuple[PromptSegment, ...] = ()) -> None:
+        """Track a request; ``samples`` (engine-core id, params) when it is fanned out;
+        ``segments``: its chat prompt's parts, to name where it left the prefix cache."""
         if arrival_ns is not None and self.prometheus is not None:
             self.prometheus.observe_accepted()  # the same condition under which its finish is counted
         if not samples:
-            self._add_state(request_id, prompt, prompt_token_ids, params, arrival_ns, observe_finish=True)
+            self._add_state(request_id, prompt, prompt_token_ids, params, arrival_ns, observe_finish=True,
+                            segments=segments)
             return
         parent = ParentRequest(request_id, params, [cid for cid, _ in samples])
         self._parents[request_id] = parent
         for cid, cparams in samples:
-            self._add_state(cid, prompt, prompt_token_ids, cparams, arrival_ns, observe_finish=False)
+            self._add_state(cid, prompt, prompt_token_ids, cparams, arrival_ns, observe_finish=False,
+                            segments=segments)
             self._parent_of[cid] = parent
 
     def _add_state(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                   arrival_ns: int | None, observe_finish: bool) -> None:
+                   arrival_ns: int | None, observe_finish: bool, segments: tuple[PromptSegment, ...] = ()) -> None:
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
@@ -114,7 +121,8 @@ class OutputProcessor:
             request_id, prompt, prompt_token_ids, params, detok,
             RequestTimeline(arrival_ns) if arrival_ns is not None else None, [],
             [] if params.logprobs is not None else None,
-            max_stop_len=max((len(s) for s in params.stop), default=0), observe_finish=observe_finish)
+            max_stop_len=max((len(s) for s in params.stop), default=0), observe_finish=observe_finish,
+            prompt_segments=segments)
 
     def abort_request(self, request_id: str, events: dict[str, list[tuple[str, int]]] | None = None
                       ) -> RequestMetrics | None:
@@ -193,6 +201,9 @@ class OutputProcessor:
         self._apply_events(st, co.events)
         if co.num_cached_tokens is not None:
             st.num_cached_tokens = co.num_cached_tokens
+            if co.prefix_break_token >= 0:
+                st.prefix_break = locate_break(len(st.prompt_token_ids), co.num_cached_tokens,
+                                               co.prefix_break_token, st.prompt_segments)
         if co.prompt_logprobs is not None:
             st.prompt_logprobs = co.prompt_logprobs
         if co.num_draft_tokens:
@@ -276,7 +287,7 @@ class OutputProcessor:
         if st.timeline.finished_ns is None:
             st.timeline.finished_ns = time.perf_counter_ns()
         rm = RequestMetrics.from_timeline(st.request_id, st.timeline, len(st.prompt_token_ids),
-                                          st.num_cached_tokens, finish_reason, st.spec)
+                                          st.num_cached_tokens, finish_reason, st.spec, st.prefix_break)
         if self.prometheus is not None and st.observe_finish:
             self.prometheus.observe_finished(rm)
         return rm

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tailserve.errors import InvalidRequestError
+from tailserve.metrics.prefix_break import PromptSegment
 from tailserve.model.tokenizer import Tokenizer
 from tailserve.sampling_params import SamplingParams
 from tailserve.structured.grammar import CompiledGrammar, GrammarCompiler
@@ -24,6 +25,9 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     grammar: CompiledGrammar | None = None  # validated, for params.structured_outputs
+    # A chat prompt's parts by first token (the tools, each message), for the prefix-break
+    # report; empty for a completions prompt.
+    prompt_segments: tuple[PromptSegment, ...] = ()
 
 
 class Processor:
@@ -56,7 +60,10 @@ class Processor:
                 raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}", "prompt")
         return None, list(prompt)
 
-    def process(self, prompt: Prompt, params: SamplingParams | None = None) -> PreparedRequest:
+    def process(self, prompt: Prompt, params: SamplingParams | None = None,
+                segments: tuple[PromptSegment, ...] = ()) -> PreparedRequest:
+        """``segments``: a rendered chat prompt's parts (the server's), carried to the report
+        of where the prompt left the prefix cache."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling params must be a SamplingParams", "sampling_params")
@@ -95,4 +102,4 @@ class Processor:
                 raise InvalidRequestError(f"structured outputs need the model's tokenizer; {self.model_dir} has no "
                                           "tokenizer.json", so.param)
             grammar = self.grammar_compiler.compile(so)  # an invalid schema / regex / grammar: here, a 400
-        return PreparedRequest(text, ids, params, grammar)
+        return PreparedRequest(text, ids, params, grammar, segments)

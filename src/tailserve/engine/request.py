@@ -48,6 +48,7 @@ class Request:
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
+    prefix_break_token: int = -1  # at first admission: Scheduler._prefix_break
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     # What the worker has been sent: None = nothing yet (new, or resumed after a preemption:

@@ -268,6 +268,7 @@ class Scheduler:
                 req.num_registered_blocks = len(hits)
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_computed
+                    req.prefix_break_token = self._prefix_break(req, len(hits))
                 ps = self.pool.stats
                 ps.queries_tokens += req.num_tokens
                 ps.hits_tokens += num_computed
@@ -357,6 +358,16 @@ class Scheduler:
         req.block_hashes = self.pool.hash_blocks(req.all_token_ids, eligible, known=req.block_hashes[:eligible])
         return self.pool.lookup(req.all_token_ids, req.block_hashes[:eligible])
 
+    def _prefix_break(self, req: Request, num_hits: int) -> int:
+        """At first admission: the first prompt token no cached block holds at its place
+        (the prompt's length for a full hit; -1 when the cache was not looked up)."""
+        if not self.pool.enable_prefix_caching or req.params.prompt_logprobs is not None:
+            return -1
+        if num_hits >= (req.num_prompt_tokens - 1) // self.block_size:
+            return req.num_prompt_tokens  # every block the cache could give was cached
+        parent = req.block_hashes[num_hits - 1] if num_hits else None
+        return self.pool.first_divergence(req.all_token_ids[: req.num_prompt_tokens], num_hits, parent)
+
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         start = req.num_computed_tokens
         n_real = min(num_new, req.num_tokens - start)
@@ -427,6 +438,7 @@ class Scheduler:
             co.stop_token = finished and req.stopped_by_token
             if not req.reported_cached:
                 co.num_cached_tokens = req.num_cached_tokens
+                co.prefix_break_token = req.prefix_break_token
                 req.reported_cached = True
             if req.events:
                 co.events, req.events = req.events, []
@@ -503,7 +515,8 @@ class Scheduler:
         bs = self.block_size
         for b in range(req.num_registered_blocks, full):
             self.pool.cache_block(req.block_ids[b], req.block_hashes[b],
-                                  tuple(req.all_token_ids[b * bs : (b + 1) * bs]))
+                                  tuple(req.all_token_ids[b * bs : (b + 1) * bs]),
+                                  req.block_hashes[b - 1] if b else None)
         req.num_registered_blocks = full
 
     def check_consistency(self) -> None:

@@ -156,6 +156,9 @@ class EngineCoreOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit, on the request's first output
+    # With it: the first prompt token no cached block held (the prompt's length: a full hit;
+    # -1: the cache was not looked up). See metrics/prefix_break.py.
+    prefix_break_token: int = -1
     prompt_logprobs: list[dict[int, float] | None] | None = None  # on the first output, when asked for
     events: list[tuple[str, int]] = field(default_factory=list)  # ("scheduled" | "preempted", ns)
     stop_token: bool = False  # the last new token is the EOS or stop token that ended it

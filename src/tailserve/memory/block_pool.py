@@ -28,6 +28,7 @@ class Block:
     ref_count: int = 0
     block_hash: BlockHash | None = None
     token_ids: tuple[int, ...] | None = None  # set together with block_hash
+    parent_hash: BlockHash | None = None  # the hash of the block before it (None: the first)
     # A draft model (speculative decoding) keeps its own K/V in the same block ids; this says
     # that all of this block's tokens have the draft's K/V too, so a prefix hit can skip them
     # in the draft as well. Reset whenever the block is handed out again.
@@ -61,6 +62,9 @@ class BlockPool:
         # Free blocks, eviction order first. Values unused; OrderedDict gives O(1) removal.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(self.num_blocks))
         self._cached: dict[BlockHash, int] = {}
+        # Cached blocks by their parent's hash and first token: where a prompt that matched up
+        # to a block leaves the cache inside the next one (``first_divergence``).
+        self._children: dict[BlockHash | None, dict[int, set[int]]] = {}
 
     # -- queries -----------------------------------------------------------------------
     @property
@@ -94,7 +98,16 @@ class BlockPool:
     def _evict(self, block: Block) -> None:
         if self._cached.get(block.block_hash) == block.block_id:  # type: ignore[arg-type]
             del self._cached[block.block_hash]  # type: ignore[arg-type]
+            assert block.token_ids is not None
+            by_first = self._children[block.parent_hash]
+            ids = by_first[block.token_ids[0]]
+            ids.discard(block.block_id)
+            if not ids:
+                del by_first[block.token_ids[0]]
+                if not by_first:
+                    del self._children[block.parent_hash]
         block.block_hash = None
+        block.parent_hash = None
         block.token_ids = None
         self.stats.evictions += 1
 
@@ -147,8 +160,10 @@ class BlockPool:
                 del self._free[block_id]
             block.ref_count += 1
 
-    def cache_block(self, block_id: int, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
-        """Register a full, computed block under its hash (first writer wins)."""
+    def cache_block(self, block_id: int, block_hash: BlockHash, token_ids: tuple[int, ...],
+                    parent_hash: BlockHash | None = None) -> None:
+        """Register a full, computed block under its hash (first writer wins); ``parent_hash``:
+        the hash of the block before it in its sequence (None for a first block)."""
         if not self.enable_prefix_caching:
             return
         block = self.blocks[block_id]
@@ -158,7 +173,30 @@ class BlockPool:
             return  # an identical block is already cached; this one stays private
         block.block_hash = block_hash
         block.token_ids = token_ids
+        block.parent_hash = parent_hash
         self._cached[block_hash] = block_id
+        self._children.setdefault(parent_hash, {}).setdefault(token_ids[0], set()).add(block_id)
+
+    def first_divergence(self, token_ids: Sequence[int], num_hits: int, parent_hash: BlockHash | None) -> int:
+        """The first token of ``token_ids`` past its ``num_hits`` cached leading blocks (the
+        last with hash ``parent_hash``) that no cached block continuing that prefix holds at
+        its place: the longest common start of the next block's tokens with any such block's."""
+        bs = self.block_size
+        start = num_hits * bs
+        nxt = tuple(token_ids[start : start + bs])
+        if not nxt:
+            return start
+        best = 0
+        for block_id in self._children.get(parent_hash, {}).get(nxt[0], ()):
+            cached = self.blocks[block_id].token_ids
+            assert cached is not None
+            n = 0
+            while n < len(nxt) and cached[n] == nxt[n]:
+                n += 1
+            best = max(best, n)
+            if best == len(nxt):
+                break
+        return start + best
 
     # -- draft-model K/V (speculative decoding) ---------------------------------------------
     def mark_draft_filled(self, block_ids: Sequence[int]) -> None:
@@ -183,6 +221,10 @@ class BlockPool:
                 raise AssertionError(f"block {block.block_id}: negative ref count")
             if (block.block_hash is None) != (block.token_ids is None):
                 raise AssertionError(f"block {block.block_id}: hash and token ids out of step")
+            if block.block_hash is not None and self._cached.get(block.block_hash) == block.block_id:
+                assert block.token_ids is not None
+                if block.block_id not in self._children.get(block.parent_hash, {}).get(block.token_ids[0], ()):
+                    raise AssertionError(f"block {block.block_id}: cached but not indexed under its parent")
         for h, block_id in self._cached.items():
             if self.blocks[block_id].block_hash != h:
                 raise AssertionError(f"cache entry for block {block_id} does not match its hash")

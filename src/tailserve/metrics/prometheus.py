@@ -159,6 +159,11 @@ class PrometheusMetrics:
                                            "Admissions that found at least one cached block.", lab, registry=r)
         self.prefix_evictions = Counter("tailserve:prefix_cache_evictions",
                                         "Cached KV blocks evicted to be reused.", lab, registry=r)
+        self.prefix_recomputed = Counter(
+            "tailserve:prefix_cache_recomputed_tokens",
+            "Prompt tokens computed rather than taken from the prefix cache, by the kind of prompt segment where "
+            "the prompt left the cache (tools, system, user, assistant, tool; other: a full hit's last partial "
+            "block, a completions prompt).", [*lab, "segment"], registry=r)
         self.suffix_requests = Gauge("tailserve:suffix_cache_requests",
                                      "Finished requests in suffix decoding's global cache.", lab, registry=r)
         self.suffix_bytes = Gauge("tailserve:suffix_cache_bytes",
@@ -271,6 +276,8 @@ class PrometheusMetrics:
     def observe_finished(self, rm: RequestMetrics) -> None:
         m = self.model_name
         self._c["prompt_tokens"].inc(rm.num_prompt_tokens)
+        if rm.prefix_break is not None and rm.prefix_break.recomputed_tokens:
+            self.prefix_recomputed.labels(m, rm.prefix_break.kind).inc(rm.prefix_break.recomputed_tokens)
         self.success.labels(m, rm.finish_reason or "unknown").inc()
         self._c["prompt_len"].observe(rm.num_prompt_tokens)
         self._c["gen_len"].observe(rm.num_output_tokens)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tailserve.metrics.prefix_break import PrefixBreak
+
 _NS = 1e-9
 
 
@@ -68,6 +70,8 @@ class RequestMetrics:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # Where the prompt left the prefix cache (None: the cache was not looked up).
+    prefix_break: PrefixBreak | None = None
 
     @property
     def spec_acceptance_rate(self) -> float | None:
@@ -79,7 +83,8 @@ class RequestMetrics:
 
     @classmethod
     def from_timeline(cls, request_id: str, tl: RequestTimeline, num_prompt_tokens: int, num_cached_tokens: int,
-                      finish_reason: str | None, spec: tuple[int, int, int] = (0, 0, 0)) -> RequestMetrics:
+                      finish_reason: str | None, spec: tuple[int, int, int] = (0, 0, 0),
+                      prefix_break: PrefixBreak | None = None) -> RequestMetrics:
         arrival = tl.arrival_ns
         sched = tl.first_scheduled_ns if tl.first_scheduled_ns is not None else arrival
         first = tl.first_token_ns
@@ -108,11 +113,13 @@ class RequestMetrics:
             spec_num_drafts=spec[0],
             spec_num_draft_tokens=spec[1],
             spec_num_accepted_tokens=spec[2],
+            prefix_break=prefix_break,
         )
 
     def as_dict(self) -> dict[str, object]:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "itl_s"}
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("itl_s", "prefix_break")}
         d["itl_s"] = list(self.itl_s)
+        d["prefix_cache"] = self.prefix_break.to_wire() if self.prefix_break is not None else None
         return d
 
 

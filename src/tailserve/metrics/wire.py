@@ -34,6 +34,9 @@ class WireTiming:
     output_tokens: int | None = None
     preemptions: int = 0
     spec: dict[str, float | int] | None = None  # draft/accepted tokens, rates (speculation on)
+    # Where the prompt left the prefix cache: cached_tokens, break_at_token, break_segment
+    # (metrics/prefix_break.py); None when the cache was not looked up.
+    prefix_cache: dict[str, Any] | None = None
 
     @classmethod
     def from_metrics(cls, m: RequestMetrics) -> WireTiming:
@@ -43,7 +46,8 @@ class WireTiming:
                     "acceptance_rate": m.spec_acceptance_rate,
                     "mean_acceptance_length": m.spec_mean_acceptance_length}
         return cls(m.queue_s, m.prefill_s, m.ttft_s, m.decode_s, m.e2el_s, m.tpot_s, m.num_prompt_tokens,
-                   m.num_cached_tokens, m.num_output_tokens, m.num_preemptions, spec)
+                   m.num_cached_tokens, m.num_output_tokens, m.num_preemptions, spec,
+                   m.prefix_break.to_wire() if m.prefix_break is not None else None)
 
     def to_wire(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -55,6 +59,7 @@ class WireTiming:
         }
         if self.spec is not None:
             d["spec"] = dict(self.spec)
+        d["prefix_cache"] = dict(self.prefix_cache) if self.prefix_cache is not None else None
         return d
 
     @classmethod
@@ -66,11 +71,12 @@ class WireTiming:
         ttft = t.get("ttft_ms")
         tpot = t.get("tpot_ms")
         spec = t.get("spec")
+        pc = t.get("prefix_cache")
         return cls(t["queue_ms"] / 1e3, t["prefill_ms"] / 1e3,
                    (ttft if _is_num(ttft) else t["queue_ms"] + t["prefill_ms"]) / 1e3, t["decode_ms"] / 1e3,
                    t["e2e_ms"] / 1e3, tpot / 1e3 if _is_num(tpot) else None, _int(t.get("prompt_tokens")),
                    _int(t.get("cached_tokens")), _int(t.get("output_tokens")), _int(t.get("preemptions")) or 0,
-                   spec if isinstance(spec, dict) else None)
+                   spec if isinstance(spec, dict) else None, pc if isinstance(pc, dict) else None)
 
     def to_header(self) -> str:
         secs = (self.queue_s, self.prefill_s, self.ttft_s, self.decode_s, self.e2e_s)

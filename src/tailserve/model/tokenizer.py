@@ -58,5 +58,11 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_with_offsets(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[int]]:
+        """Token ids and, per token, the character offset where it ends in ``text`` (0 for
+        a special token the tokenizer added)."""
+        enc = self._tok.encode(text, add_special_tokens=add_special_tokens)
+        return enc.ids, [end for _, end in enc.offsets]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -34,6 +34,7 @@ from tailserve.engine.async_engine import AsyncEngine, EngineOverloadedError, En
 from tailserve.engine.llm_engine import LLMEngine
 from tailserve.errors import ConfigError, InvalidRequestError
 from tailserve.memory.allocator.snapshot import snapshot_bytes
+from tailserve.metrics.prefix_break import PromptSegment
 from tailserve.metrics.timeline import RequestMetrics
 from tailserve.metrics.wire import WireTiming
 from tailserve.outputs import CompletionOutput, RequestOutput
@@ -107,9 +108,10 @@ class Server:
                                 f"{', '.join(repr(n) for n in self.model_names)}", "model",
                            code="model_not_found")
 
-    async def _submit(self, rid: str, prompts: list, greq: GenerationRequest, arrival_ns: int):
+    async def _submit(self, rid: str, prompts: list, greq: GenerationRequest, arrival_ns: int,
+                      segments: tuple[PromptSegment, ...] = ()):
         def prepare() -> list:
-            return [self.engine.prepare_request(p, greq.params) for p in prompts]
+            return [self.engine.prepare_request(p, greq.params, segments) for p in prompts]
 
         try:
             # A grammar's compilation can take a large schema hundreds of milliseconds: off the
@@ -217,8 +219,12 @@ class Server:
                                 "with token ids", "messages")
         tools = ToolMode(creq, self.tool_calling)
         with_structured_outputs(greq, tools.structured, tools.skip_special_tokens)
-        prompt_ids = self.chat.render(creq.messages, creq.tools)
-        subs = await self._submit(rid, [prompt_ids], greq, arrival)
+        segments: tuple[PromptSegment, ...] = ()
+        if self.engine.config.enable_prefix_caching:  # where a prompt left the cache is named by its parts
+            prompt_ids, segments = self.chat.render_segments(creq.messages, creq.tools)
+        else:
+            prompt_ids = self.chat.render(creq.messages, creq.tools)
+        subs = await self._submit(rid, [prompt_ids], greq, arrival, segments)
         if greq.stream:
             return StreamingResponse(self._stream(rid, subs, greq, chat=True, tools=tools),
                                      media_type="text/event-stream", headers=self._headers(rid))
@@ -335,9 +341,11 @@ class Server:
             if greq.include_usage:
                 p = sum(o.num_prompt_tokens for o in finals)
                 c = 0 if greq.score_only else sum(o.num_output_tokens for o in finals)
+                cached = sum(o.num_cached_tokens for o in finals)
                 yield self._sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
                                  "choices": [], "usage": {"prompt_tokens": p, "completion_tokens": c,
-                                                          "total_tokens": p + c}})
+                                                          "total_tokens": p + c,
+                                                          "prompt_tokens_details": {"cached_tokens": cached}}})
             yield b"data: [DONE]\n\n"
         finally:
             await events.aclose()  # client gone or stream done: aborts whatever is unfinished

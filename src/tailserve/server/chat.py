@@ -8,6 +8,7 @@ an object) and a ``tool`` message's ``tool_call_id``."""
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from tailserve.metrics.prefix_break import PromptSegment, role_kind
 from tailserve.model.tokenizer import Tokenizer
 from tailserve.server.protocol import APIError
 
@@ -59,13 +61,63 @@ class ChatTemplate:
         self.template = env.from_string(source)
         self.tokenizer = tokenizer
 
-    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def _text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+              add_generation_prompt: bool = True) -> str:
         try:
-            text = self.template.render(messages=messages, tools=tools, add_generation_prompt=True,
+            return self.template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                         bos_token=self.tokenizer.bos_token or "",
                                         eos_token=self.tokenizer.eos_token or "")
         except TemplateError as e:
             raise APIError(400, f"chat template rejected the messages: {e}", "messages") from None
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         # A model's own template writes its special tokens itself (as transformers assumes);
         # the fallback relies on the tokenizer to add BOS.
-        return self.tokenizer.encode(text, add_special_tokens=not self.has_own_template)
+        return self.tokenizer.encode(self._text(messages, tools), add_special_tokens=not self.has_own_template)
+
+    def render_segments(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+                        ) -> tuple[list[int], tuple[PromptSegment, ...]]:
+        """The prompt's token ids and its parts by first token: ``messages[i]`` from where the
+        template starts message i (the render of messages[:i] is a prefix of the whole one),
+        and ``tools`` over what the tool definitions add (the render without them differs
+        there only), wherever the template puts them. A boundary the template does not keep
+        stable (a prefix render that is not a prefix) is left out: that part counts to the
+        message before it."""
+        text = self._text(messages, tools)
+        ids, ends = self.tokenizer.encode_with_offsets(text, add_special_tokens=not self.has_own_template)
+        starts: list[tuple[int, str, str]] = [(0, "messages[0]", role_kind(messages[0].get("role")))]
+        for i in range(1, len(messages)):
+            try:
+                prefix = self._text(messages[:i], tools, add_generation_prompt=False)
+            except APIError:
+                continue  # a template that refuses a partial conversation: no boundary here
+            if text.startswith(prefix):
+                starts.append((len(prefix), f"messages[{i}]", role_kind(messages[i].get("role"))))
+        if tools:
+            bare = self._text(messages, None)
+            lo = 0
+            while lo < min(len(text), len(bare)) and text[lo] == bare[lo]:
+                lo += 1
+            line = text.rfind("\n", 0, lo) + 1
+            if not any(ch.isalnum() for ch in text[line:lo]):
+                lo = line  # "### Tools" against "### System": the shared "### " opens the tools' line
+            tail = 0
+            while tail < min(len(text), len(bare)) - lo and text[-1 - tail] == bare[-1 - tail]:
+                tail += 1
+            hi = len(text) - tail
+            if hi > lo:
+                # Messages that start inside the tools' text start after it; the message the
+                # tools interrupt (a system block that embeds them) resumes after them.
+                starts = [(max(c, hi) if lo <= c < hi else c, label, kind) for c, label, kind in starts]
+                resume = max((s for s in starts if s[0] <= hi), key=lambda s: s[0])
+                starts += [(lo, "tools", "tools"), (hi, resume[1], resume[2])]
+        segments: list[PromptSegment] = []
+        for c, label, kind in sorted(starts, key=lambda s: s[0]):
+            tok = 0 if c == 0 else bisect.bisect_right(ends, c)  # the first token ending past c
+            if tok >= len(ids):
+                continue
+            if segments and segments[-1].start >= tok:
+                segments.pop()  # a later part starting at the same token names it
+            if not segments or segments[-1].label != label:
+                segments.append(PromptSegment(tok, label, kind))
+        return ids, tuple(segments)
