@@ -264,6 +264,65 @@ def test_trace_replay_sends_at_the_trace_times():
     assert np.allclose(np.diff(sends), [0.3, 0.3], atol=0.03)
 
 
+def test_trace_hash_ids_become_shared_prompt_blocks(tmp_path, tok):
+    """Mooncake's hash_ids: rows that share leading ids share those blocks of prompt text."""
+    trace = tmp_path / "mooncake.jsonl"
+    rows = [{"timestamp": 0, "input_length": 40, "output_length": 3, "hash_ids": [7, 8, 9]},
+            {"timestamp": 50, "input_length": 35, "output_length": 3, "hash_ids": [7, 8, 11]},
+            {"timestamp": 90, "input_length": 20, "output_length": 3, "hash_ids": [12, 13]}]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reqs = load_dataset(DatasetConfig(name="trace", num_prompts=3, path=str(trace), trace_hash_block_size=16), tok)
+    a, b, c = (tok.encode(r.prompt, add_special_tokens=False) for r in reqs)
+    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert shared >= 30  # two 16-token blocks, give or take a merge at the seam
+    assert a[:4] != c[:4]
+    assert [r.arrival_s for r in reqs] == [0.0, 50.0, 90.0]
+    assert abs(len(a) - 40) <= 2 and abs(len(b) - 35) <= 2 and abs(len(c) - 20) <= 2
+
+
+def _agentic(tok, **kw):
+    from tailserve.bench.agentic import AgenticConfig
+
+    agentic = AgenticConfig(**{"num_turns": 3, "num_tools": 6, "tool_result_len": 24, "think_time_s": 0.05,
+                               "system_len": 48, **kw})
+    return load_dataset(DatasetConfig(name="agentic", num_prompts=2, output_len=4, agentic=agentic), tok)
+
+
+def test_agentic_sessions_share_the_catalogue_and_grow_turn_by_turn_against_a_server_that_reports_nothing(tok):
+    reqs = _agentic(tok)
+    assert reqs[0].tools == reqs[1].tools and len(reqs[0].tools) == 6
+    assert reqs[0].messages[0] == reqs[1].messages[0]  # the shared system prompt
+    assert reqs[0].messages[1] != reqs[1].messages[1]  # each session's own task
+    with FakeServer("--itl-ms", "2", "--no-timing") as srv:  # vLLM-style: no per-request figures
+        res = _run(srv.url, reqs, tok, endpoint="/v1/chat/completions", request_rate=math.inf)
+    assert res["completed"] == 6 and res["failed"] == 0
+    assert not res["attribution"]["attributable"]
+    assert [t["turn"] for t in res["turns"]] == [0, 1, 2] and all(t["completed"] == 2 for t in res["turns"])
+    assert res["turns"][0]["p50_ttft_ms"] > 0 and res["session_e2e"]["completed"] == 2
+    assert res["prefix_cache"] is None  # it reports no cached tokens
+    for conv in (0, 1):
+        turns = sorted((q for q in res["requests"] if q["conversation"] == conv), key=lambda q: q["turn"])
+        assert turns[0]["prompt_len"] < turns[1]["prompt_len"] < turns[2]["prompt_len"]
+        assert turns[1]["send_s"] >= turns[0]["end_s"] + 0.05  # after the answer and the think time
+
+
+def test_agentic_against_tailserve_reports_cached_tokens_and_breaks_per_turn(tool_server, chat_checkpoint, tmp_path):
+    rc = main(["bench", "--url", tool_server.url, "--tokenizer", str(chat_checkpoint), "--dataset-name", "agentic",
+               "--num-prompts", "2", "--agentic-num-turns", "3", "--agentic-num-tools", "4",
+               "--agentic-tool-result-len", "24", "--agentic-think-time", "0", "--agentic-system-prompt-len", "64",
+               "--random-output-len", "4", "--ignore-eos", "--max-concurrency", "1", "--disable-tqdm", "--save-result",
+               "--result-dir", str(tmp_path), "--result-filename", "a.json"])
+    assert rc == 0
+    res = json.loads((tmp_path / "a.json").read_text())
+    assert res["completed"] == 6 and res["endpoint_type"] == "openai-chat"
+    later = [t for t in res["turns"] if t["turn"] > 0]
+    assert all(t["mean_cached_tokens"] > 0 and t["hit_rate"] > 0.5 for t in later)
+    pc = res["prefix_cache"]
+    assert 0 < pc["hit_rate"] < 1 and pc["cached_tokens"] > 0
+    # A later turn leaves the cache where the new messages begin: the previous answer.
+    assert pc["recomputed_tokens_by_segment"].get("assistant", 0) > 0
+
+
 # -- outputs ---------------------------------------------------------------------------------
 
 def _png_size(data: bytes) -> tuple[int, int]:

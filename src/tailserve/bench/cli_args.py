@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
-DATASET_NAMES = ("random", "sharegpt", "custom", "prefix_repetition", "multi_turn", "trace", "python")
+DATASET_NAMES = ("random", "sharegpt", "custom", "prefix_repetition", "multi_turn", "trace", "python", "agentic")
 DEFAULT_SERVER_ARGS = "--speculative-model builtin"
 DEFAULT_PERCENTILE_METRICS = "ttft,ttst,tpot,itl,e2el"
 DEFAULT_METRIC_PERCENTILES = "50,90,95,99,99.9"
@@ -54,6 +54,19 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--prefix-repetition-output-len", type=int, default=None)
     d.add_argument("--multi-turn-num-turns", type=int, default=3)
     d.add_argument("--trace-speedup", type=float, default=1.0, help="trace replay: >1 replays faster")
+    d.add_argument("--trace-hash-block-size", type=int, default=512,
+                   help="trace replay: prompt tokens per entry of a row's hash_ids (Mooncake's traces: 512)")
+    d.add_argument("--agentic-num-turns", type=int, default=6, help="agentic: requests per session")
+    d.add_argument("--agentic-num-tools", type=int, default=50, help="agentic: tools in the shared catalogue (<= 60)")
+    d.add_argument("--agentic-tool-result-len", type=int, default=200,
+                   help="agentic: tokens of each synthetic tool result")
+    d.add_argument("--agentic-think-time", type=float, default=0.5,
+                   help="agentic: seconds between an answer and the next turn (the tool running)")
+    d.add_argument("--agentic-system-prompt-len", type=int, default=512,
+                   help="agentic: tokens of the system prompt every session shares")
+    d.add_argument("--agentic-tool-choice", default="none", choices=["none", "auto", "required"],
+                   help="agentic: tool_choice sent with the tools (auto needs a server with auto tool choice; "
+                        "with none the template still renders the whole catalogue)")
 
     a = p.add_argument_group("load")
     a.add_argument("--request-rate", default="inf",

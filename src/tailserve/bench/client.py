@@ -47,13 +47,14 @@ class ServerTiming:
     source: str  # "tailserve" | "llama.cpp" | "server-timing"
     preemptions: int = 0
     cached_tokens: int | None = None
+    prefix_cache: dict[str, Any] | None = None  # tailserve's: where the prompt left the prefix cache
 
     @classmethod
     def from_body(cls, obj: dict[str, Any]) -> ServerTiming | None:
         w = WireTiming.from_wire(obj.get("timing"))  # tailserve's (metrics/wire.py)
         if w is not None:
             return cls(w.queue_s, w.prefill_s, w.decode_s, w.e2e_s, w.ttft_s, "tailserve", w.preemptions,
-                       w.cached_tokens)
+                       w.cached_tokens, w.prefix_cache)
         t = obj.get("timings")  # llama.cpp's server
         if isinstance(t, dict) and isinstance(t.get("prompt_ms"), (int, float)) and isinstance(
                 t.get("predicted_ms"), (int, float)):
@@ -70,7 +71,8 @@ class ServerTiming:
     def as_dict(self) -> dict[str, Any]:
         return {"queue_ms": self.queue_s * 1e3, "prefill_ms": self.prefill_s * 1e3, "decode_ms": self.decode_s * 1e3,
                 "e2e_ms": self.e2e_s * 1e3, "ttft_ms": self.ttft_s * 1e3, "source": self.source,
-                "preemptions": self.preemptions, "cached_tokens": self.cached_tokens}
+                "preemptions": self.preemptions, "cached_tokens": self.cached_tokens,
+                "prefix_cache": self.prefix_cache}
 
 
 @dataclass
@@ -94,6 +96,9 @@ class RequestRecord:
     output_tokens: int = 0
     output_tokens_source: str = "none"  # usage | tokenizer | chunks
     server_prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens (OpenAI's field)
+    tool_calls: list[dict[str, str]] = field(default_factory=list)  # streamed calls: id, name, arguments
+    roles: tuple[str, ...] = ()  # chat: the roles of the messages sent (to name a prefix break's segment)
     server: ServerTiming | None = None
     error_kind: str | None = None
     error: str = ""
@@ -154,7 +159,8 @@ class RequestRecord:
         return {
             "index": self.index, "request_id": self.request_id, "warmup": self.warmup,
             "conversation": self.conversation, "turn": self.turn, "prompt_len": self.prompt_len,
-            "server_prompt_tokens": self.server_prompt_tokens, "max_tokens": self.max_tokens,
+            "server_prompt_tokens": self.server_prompt_tokens, "cached_tokens": self.cached_tokens,
+            "tool_calls": [c["name"] for c in self.tool_calls], "max_tokens": self.max_tokens,
             "output_tokens": self.output_tokens, "output_tokens_source": self.output_tokens_source,
             "intended_s": self.intended_s, "slot_s": self.slot_s, "send_s": self.send_s, "headers_s": self.headers_s,
             "end_s": self.end_s, "ttft_ms": _ms(self.ttft_s), "ttst_ms": _ms(self.ttst_s), "tpot_ms": _ms(self.tpot_s),
@@ -185,6 +191,8 @@ class RequestSpec:
     extra_body: dict[str, Any]
     headers: dict[str, str]
     keep_alive: bool = True
+    tools: list[dict[str, Any]] | None = None  # chat: sent with tool_choice
+    tool_choice: str = "none"
 
     def body(self) -> dict[str, Any]:
         b: dict[str, Any] = {"model": self.model, "max_tokens": self.max_tokens, "stream": True,
@@ -194,6 +202,9 @@ class RequestSpec:
             b["ignore_eos"] = True
         if self.chat:
             b["messages"] = self.messages or [{"role": "user", "content": self.prompt}]
+            if self.tools:
+                b["tools"] = self.tools
+                b["tool_choice"] = self.tool_choice
         else:
             b["prompt"] = self.prompt
         b.update(self.extra_body)
@@ -258,8 +269,11 @@ async def send_request(client: httpx.AsyncClient, spec: RequestSpec, rec: Reques
                         rec.error = str(err.get("message", err) if isinstance(err, dict) else err)
                         continue
                     piece = _content(obj, spec.chat)
-                    if piece:
+                    # A call's arguments are output too (for TTFT and ITL), though not content.
+                    calls = spec.chat and _tool_call_deltas(obj, rec.tool_calls)
+                    if piece or calls:
                         rec.chunk_s.append(stamp)
+                    if piece:
                         pieces.append(piece)
                     timing = ServerTiming.from_body(obj)
                     if timing is not None:
@@ -269,6 +283,9 @@ async def send_request(client: httpx.AsyncClient, spec: RequestSpec, rec: Reques
                         usage_tokens = usage["completion_tokens"]
                         if isinstance(usage.get("prompt_tokens"), int):
                             rec.server_prompt_tokens = usage["prompt_tokens"]
+                        details = usage.get("prompt_tokens_details")
+                        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                            rec.cached_tokens = details["cached_tokens"]
             rec.end_s = _now(t0)
             rec.text = "".join(pieces)
             if rec.server is None:
@@ -283,7 +300,9 @@ async def send_request(client: httpx.AsyncClient, spec: RequestSpec, rec: Reques
         rec.error_kind, rec.error = "disconnect", f"{type(e).__name__}: {e}"
     if rec.error_kind is None and not done:
         rec.error_kind, rec.error = "malformed_stream", "the stream ended without 'data: [DONE]'"
-    if rec.error_kind is None and not rec.chunk_s and rec.max_tokens > 0 and usage_tokens != 0:
+    # No content and no usage: nothing says a token was generated. (With usage, an empty text
+    # is legitimate: every token was a special one the server does not show.)
+    if rec.error_kind is None and not rec.chunk_s and rec.max_tokens > 0 and usage_tokens is None:
         rec.error_kind, rec.error = "malformed_stream", "the stream carried no content"
     if usage_tokens is not None:
         rec.output_tokens, rec.output_tokens_source = usage_tokens, "usage"
@@ -319,6 +338,33 @@ def _content(obj: dict[str, Any], chat: bool) -> str:
         return ""
     text = c.get("text")
     return text if isinstance(text, str) else ""
+
+
+def _tool_call_deltas(obj: dict[str, Any], calls: list[dict[str, str]]) -> bool:
+    """Fold a chunk's ``delta.tool_calls`` into ``calls`` (by index: the first delta of a call
+    has its id and name, later ones more of its arguments); whether the chunk had any."""
+    choices = obj.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return False
+    delta = choices[0].get("delta")
+    deltas = delta.get("tool_calls") if isinstance(delta, dict) else None
+    if not isinstance(deltas, list) or not deltas:
+        return False
+    for d in deltas:
+        if not isinstance(d, dict):
+            continue
+        i = d.get("index", len(calls))
+        i = i if isinstance(i, int) and 0 <= i <= len(calls) else len(calls)
+        if i == len(calls):
+            calls.append({"id": "", "name": "", "arguments": ""})
+        fn = d.get("function") if isinstance(d.get("function"), dict) else {}
+        if isinstance(d.get("id"), str):
+            calls[i]["id"] = d["id"]
+        if isinstance(fn.get("name"), str):
+            calls[i]["name"] += fn["name"]
+        if isinstance(fn.get("arguments"), str):
+            calls[i]["arguments"] += fn["arguments"]
+    return True
 
 
 def _error_message(body: str) -> str:

@@ -13,7 +13,11 @@ follow ``vllm bench serve`` where the concept is the same.
 - ``prefix_repetition``: N shared prefixes × M suffixes (prefix caching's best case).
 - ``multi_turn``: conversations whose history grows; each turn is sent when the previous
   answer is in, with that answer appended to the history.
-- ``trace``: replay of a JSONL/CSV trace of arrival time, input and output lengths.
+- ``trace``: replay of a JSONL/CSV trace of arrival time, input and output lengths; Mooncake's
+  ``hash_ids`` (one id per ``--trace-hash-block-size`` tokens of prompt) become shared text
+  blocks, so the trace's prefix sharing is reproduced.
+- ``agentic``: tool-using sessions (``bench/agentic.py``): a shared system prompt and tool
+  catalogue, each turn sent after the previous answer with a synthetic tool result appended.
 - ``python``: openings of functions from the Python standard library's own source, the
   text the built-in model was trained on, so its completions read as Python.
 """
@@ -28,6 +32,7 @@ import sysconfig
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tailserve.bench.agentic import AgenticConfig, catalogue, sessions, system_prompt
 from tailserve.bench.cli_args import DATASET_NAMES
 from tailserve.errors import ConfigError
 from tailserve.model.tokenizer import Tokenizer
@@ -43,6 +48,16 @@ class BenchRequest:
     conversation: int | None = None  # multi-turn: which conversation
     turn: int = 0  # multi-turn: which turn (0 = the first)
     follow_ups: tuple[str, ...] = field(default_factory=tuple)  # multi-turn: the later user turns
+    # agentic: the tool catalogue sent with every turn, the synthetic tool result appended before
+    # each later turn (and the tool it stands for), the pause before each later turn.
+    tools: tuple[dict, ...] | None = None
+    tool_results: tuple[str, ...] = ()
+    tool_names: tuple[str, ...] = ()
+    think_time_s: float = 0.0
+
+    @property
+    def num_turns(self) -> int:
+        return 1 + len(self.follow_ups) + len(self.tool_results)
 
 
 @dataclass(frozen=True)
@@ -60,6 +75,8 @@ class DatasetConfig:
     suffix_len: int = 32  # prefix_repetition
     num_turns: int = 3  # multi_turn
     trace_speedup: float = 1.0  # trace: 2.0 replays twice as fast
+    trace_hash_block_size: int = 512  # trace: prompt tokens per hash id (Mooncake's)
+    agentic: AgenticConfig = field(default_factory=AgenticConfig)
 
     def __post_init__(self) -> None:
         if self.name not in DATASET_NAMES:
@@ -74,20 +91,24 @@ class DatasetConfig:
             raise ConfigError(f"--dataset-name {self.name} needs --dataset-path (a local file)")
         if self.path and not pathlib.Path(self.path).is_file():
             raise ConfigError(f"--dataset-path {self.path}: no such file")
-        if self.num_prefixes < 1 or self.num_turns < 1 or self.trace_speedup <= 0:
-            raise ConfigError("--prefix-repetition-num-prefixes and --multi-turn-num-turns must be >= 1, "
-                              "--trace-speedup > 0")
+        if self.num_prefixes < 1 or self.num_turns < 1 or self.trace_speedup <= 0 or self.trace_hash_block_size < 1:
+            raise ConfigError("--prefix-repetition-num-prefixes, --multi-turn-num-turns and --trace-hash-block-size "
+                              "must be >= 1, --trace-speedup > 0")
+        a = self.agentic
+        if a.num_turns < 1 or a.num_tools < 1 or a.tool_result_len < 1 or a.system_len < 1 or a.think_time_s < 0:
+            raise ConfigError("--agentic-num-turns, --agentic-num-tools, --agentic-tool-result-len and "
+                              "--agentic-system-prompt-len must be >= 1, --agentic-think-time >= 0")
 
 
 def load_dataset(cfg: DatasetConfig, tokenizer: Tokenizer | None) -> list[BenchRequest]:
-    needs_tokenizer = cfg.name in ("random", "prefix_repetition", "trace", "multi_turn", "python") or (
+    needs_tokenizer = cfg.name in ("random", "prefix_repetition", "trace", "multi_turn", "python", "agentic") or (
         cfg.name == "sharegpt" and cfg.sharegpt_output_len is None)
     if tokenizer is None and needs_tokenizer:
         raise ConfigError(f"--dataset-name {cfg.name} needs a tokenizer: pass --tokenizer (a local folder with "
                           "tokenizer.json)")
     rng = random.Random(cfg.seed)
     loaders = {"random": _random, "sharegpt": _sharegpt, "custom": _custom, "prefix_repetition": _prefix_repetition,
-               "multi_turn": _multi_turn, "trace": _trace, "python": _python}
+               "multi_turn": _multi_turn, "trace": _trace, "python": _python, "agentic": _agentic}
     return loaders[cfg.name](cfg, tokenizer, rng)  # type: ignore[arg-type]
 
 
@@ -237,15 +258,55 @@ def _trace(cfg: DatasetConfig, tok: Tokenizer, rng: random.Random) -> list[Bench
         if ts is None or n_in is None or n_out is None:
             raise ConfigError(f"{path}: row {i} needs a timestamp (s) or timestamp_ms, input_length and "
                               "output_length")
-        parsed.append((ts, int(n_in), int(n_out)))
+        hash_ids = row.get("hash_ids") or ()
+        if isinstance(hash_ids, str):  # a CSV cell: "1 2 3" or "[1, 2, 3]"
+            hash_ids = hash_ids.strip("[]").replace(",", " ").split()
+        try:
+            ids = tuple(int(h) for h in hash_ids)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{path}: row {i}: hash_ids must be a list of integers") from None
+        parsed.append((ts, int(n_in), int(n_out), ids))
     if not parsed:
         raise ConfigError(f"{path}: empty trace")
-    parsed.sort()
+    parsed.sort(key=lambda row: row[0])
     t0 = parsed[0][0]
+    blocks: dict[int, str] = {}
+    bs = cfg.trace_hash_block_size
+
+    def block(h: int) -> str:
+        # The same text for the same hash id in every request: shared ids are a shared prefix.
+        if h not in blocks:
+            blocks[h] = text_of_length(tok, bs, random.Random(cfg.seed * 1_000_003 + h))[0]
+        return blocks[h]
+
     out = []
-    for ts, n_in, n_out in parsed[: cfg.num_prompts]:
-        text, n = text_of_length(tok, max(1, n_in), rng)
-        out.append(BenchRequest(text, n, max(1, n_out), arrival_s=(ts - t0) / cfg.trace_speedup))
+    for ts, n_in, n_out, ids in parsed[: cfg.num_prompts]:
+        n_in = max(1, n_in)
+        shared = "".join(block(h) for h in ids[: -(-n_in // bs)])
+        if ids:
+            enc = tok.encode(shared, add_special_tokens=False)
+            if len(enc) > n_in:  # the last block is partly used
+                shared = tok.decode(enc[:n_in])
+        rest = n_in - (len(tok.encode(shared, add_special_tokens=False)) if shared else 0)
+        text = shared + (text_of_length(tok, rest, rng)[0] if rest > 0 else "")
+        out.append(BenchRequest(text, _count(tok, text), max(1, n_out), arrival_s=(ts - t0) / cfg.trace_speedup))
+    return out
+
+
+def _agentic(cfg: DatasetConfig, tok: Tokenizer, rng: random.Random) -> list[BenchRequest]:
+    """Sessions (``num_prompts`` is the number of sessions): the system prompt and catalogue
+    that all of them share (seeded by the level's seed, so a sweep's next level does not find
+    this one's prefix in the server's cache), then each session's task, tool results and
+    think time."""
+    a = cfg.agentic
+    tools = catalogue(a.num_tools, cfg.seed)
+    system = system_prompt(tok, a.system_len, cfg.seed)
+    out = []
+    for i, s in enumerate(sessions(tok, a, cfg.num_prompts, tools, rng)):
+        messages = ({"role": "system", "content": system}, {"role": "user", "content": s.task})
+        n = _count(tok, system + s.task + json.dumps(tools))
+        out.append(BenchRequest(s.task, n, cfg.output_len, messages=messages, conversation=i, tools=tuple(tools),
+                                tool_results=s.tool_results, tool_names=s.tool_names, think_time_s=a.think_time_s))
     return out
 
 

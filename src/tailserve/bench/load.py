@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import math
 import time
 from collections.abc import Callable
@@ -44,6 +45,7 @@ class LoadConfig:
     timeout_s: float = 600.0
     seed: int = 0
     metrics_interval_s: float = 1.0  # gauge sampling (KV use, running, waiting)
+    tool_choice: str = "none"  # sent with a dataset's tools (agentic)
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
@@ -95,17 +97,33 @@ async def first_model(client: httpx.AsyncClient, base_url: str, headers: dict[st
         raise ConfigError(f"{base_url}/v1/models listed no model; pass --model") from None
 
 
-def _spec(cfg: LoadConfig, model: str, req: BenchRequest, messages: list[dict[str, str]] | None,
+def _spec(cfg: LoadConfig, model: str, req: BenchRequest, messages: list[dict[str, Any]] | None,
           prompt: str) -> RequestSpec:
     return RequestSpec(url=cfg.base_url + cfg.endpoint, chat=cfg.chat, model=model, prompt=prompt,
                        messages=messages, max_tokens=req.output_len, ignore_eos=cfg.ignore_eos,
                        temperature=cfg.temperature, top_p=cfg.top_p, extra_body=cfg.extra_body,
-                       headers=cfg.headers, keep_alive=cfg.keep_alive)
+                       headers=cfg.headers, keep_alive=cfg.keep_alive,
+                       tools=list(req.tools) if req.tools is not None and cfg.chat else None,
+                       tool_choice=cfg.tool_choice)
 
 
 def _history_prompt(messages: list[dict[str, str]]) -> str:
     """Multi-turn history as plain text, for the completions endpoint."""
     return "".join(f"### {m['role'].capitalize()}\n{m['content']}\n\n" for m in messages) + "### Assistant\n"
+
+
+def _tool_turn(r: RequestRecord, result: str, tool_name: str, turn: int) -> list[dict[str, Any]]:
+    """The messages an agent appends after an answer: the answer itself and the tool's result,
+    as a ``tool`` message answering each call the model made (the same result for each), or
+    as a ``user`` message naming the tool when it made none (a tool message must answer a call)."""
+    answer: dict[str, Any] = {"role": "assistant", "content": r.text or None}
+    if not r.tool_calls:
+        answer["content"] = r.text
+        return [answer, {"role": "user", "content": f"Result of {tool_name}:\n{result}"}]
+    calls = [{"id": c["id"] or f"call_{turn}_{i}", "type": "function",
+              "function": {"name": c["name"], "arguments": c["arguments"]}} for i, c in enumerate(r.tool_calls)]
+    answer["tool_calls"] = calls
+    return [answer, *({"role": "tool", "tool_call_id": c["id"], "content": result} for c in calls)]
 
 
 async def run_load(cfg: LoadConfig, requests: list[BenchRequest], tokenizer: Tokenizer | None = None,
@@ -171,6 +189,8 @@ async def _one(client: httpx.AsyncClient, cfg: LoadConfig, model: str, req: Benc
     if messages is None and req.messages is not None:
         messages = list(req.messages)
     spec = _spec(cfg, model, req, messages if cfg.chat else None, prompt if prompt is not None else req.prompt)
+    if spec.messages:
+        rec.roles = tuple(str(m.get("role")) for m in spec.messages)
     if rec.dispatch_s is None:
         rec.dispatch_s = time.perf_counter() - t0
     if sem is None:
@@ -191,12 +211,20 @@ async def _conversation(client: httpx.AsyncClient, cfg: LoadConfig, model: str, 
     records.append(r)
     if on_done:
         on_done(r)
-    for turn, follow in enumerate(req.follow_ups, start=1):
+    later = [("user", f) for f in req.follow_ups] + [("tool", t) for t in range(len(req.tool_results))]
+    # The catalogue counts in every turn's prompt length (as the dataset counts it in the first).
+    n_tools = len(tokenizer.encode(json.dumps(list(req.tools)))) if later and req.tools and tokenizer else 0
+    for turn, (kind, item) in enumerate(later, start=1):
         if not r.success or messages is None:
             return  # a failed turn ends its conversation (its record says why)
-        messages = [*messages, {"role": "assistant", "content": r.text}, {"role": "user", "content": follow}]
+        if kind == "user":
+            messages = [*messages, {"role": "assistant", "content": r.text}, {"role": "user", "content": item}]
+        else:  # agentic: the answer, the tool's result, and the tool's run time
+            messages = [*messages, *_tool_turn(r, req.tool_results[item], req.tool_names[item], turn)]
+            if req.think_time_s:
+                await asyncio.sleep(req.think_time_s)
         prompt = _history_prompt(messages)
-        n_in = len(tokenizer.encode(prompt)) if tokenizer is not None else 0
+        n_in = len(tokenizer.encode(prompt)) + n_tools if tokenizer is not None else 0
         now = time.perf_counter() - t0
         nxt = RequestRecord(r.index, new_request_id(), n_in, req.output_len, now, conversation=req.conversation,
                             turn=turn)

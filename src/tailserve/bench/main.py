@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from tailserve.bench.agentic import AgenticConfig
 from tailserve.bench.datasets import BenchRequest, DatasetConfig, load_dataset
 from tailserve.bench.load import LoadConfig, LoadRun, run_load
 from tailserve.bench.local_server import LocalServer
@@ -106,7 +107,11 @@ def _dataset_config(args: argparse.Namespace, num_prompts: int) -> DatasetConfig
                          prefix_len=args.random_prefix_len, sharegpt_output_len=args.sharegpt_output_len,
                          num_prefixes=args.prefix_repetition_num_prefixes,
                          suffix_len=args.prefix_repetition_suffix_len, num_turns=args.multi_turn_num_turns,
-                         trace_speedup=args.trace_speedup)
+                         trace_speedup=args.trace_speedup, trace_hash_block_size=args.trace_hash_block_size,
+                         agentic=AgenticConfig(num_turns=args.agentic_num_turns, num_tools=args.agentic_num_tools,
+                                               tool_result_len=args.agentic_tool_result_len,
+                                               think_time_s=args.agentic_think_time,
+                                               system_len=args.agentic_system_prompt_len))
 
 
 def _headers(args: argparse.Namespace) -> dict[str, str]:
@@ -190,7 +195,7 @@ class BenchSession:
 
     def measure(self, cfg: LoadConfig, label: str) -> dict[str, Any]:
         requests, warmups = self.requests()
-        total = len(requests) * (1 + len(requests[0].follow_ups))
+        total = sum(r.num_turns for r in requests)
         with self.progress.run(label, total) as done:
             run: LoadRun = asyncio.run(run_load(cfg, requests, self.tokenizer, on_done=done, warmups=warmups))
         return build_result(run, self.percentile_metrics, self.percentiles, self.goodput or None, label=label,
@@ -281,7 +286,10 @@ def run_bench(args: argparse.Namespace) -> int:
         if args.ramp_up_start_rps is None or args.ramp_up_end_rps is None:
             raise ConfigError("--ramp-up-strategy needs --ramp-up-start-rps and --ramp-up-end-rps")
         ramp = (args.ramp_up_start_rps, args.ramp_up_end_rps)
-    endpoint = args.endpoint or ("/v1/chat/completions" if args.backend == "openai-chat" else "/v1/completions")
+    chat_default = args.backend == "openai-chat" or args.dataset_name == "agentic"  # tools need chat
+    endpoint = args.endpoint or ("/v1/chat/completions" if chat_default else "/v1/completions")
+    if args.dataset_name == "agentic" and endpoint != "/v1/chat/completions":
+        raise ConfigError("--dataset-name agentic sends tools: it needs --endpoint /v1/chat/completions")
     local = not (args.url or args.host or args.port)
     tokenizer, tokenizer_id = _tokenizer(args, local)
     num_prompts = args.num_prompts
@@ -298,7 +306,8 @@ def run_bench(args: argparse.Namespace) -> int:
                           num_warmups=args.num_warmups, ramp=ramp, duration_s=args.duration,
                           ignore_eos=args.ignore_eos, temperature=args.temperature, top_p=args.top_p,
                           extra_body=extra_body, headers=_headers(args), http2=args.http2,
-                          keep_alive=not args.no_keep_alive, timeout_s=args.timeout, seed=args.seed)
+                          keep_alive=not args.no_keep_alive, timeout_s=args.timeout, seed=args.seed,
+                          tool_choice=args.agentic_tool_choice)
         if base.http2 and h2_url:
             base = replace(base, base_url=h2_url)
         session = BenchSession(args, base, dataset, tokenizer, tokenizer_id, percentile_metrics, percentiles,

@@ -22,6 +22,7 @@ from tailserve.bench.client import ERROR_KINDS, RequestRecord
 from tailserve.bench.load import LoadRun
 from tailserve.errors import ConfigError
 from tailserve.metrics.attribution import attribute_tail, phase_times
+from tailserve.metrics.prefix_break import role_kind
 from tailserve.metrics.timeline import RequestMetrics
 
 METRICS = ("ttft", "ttst", "tpot", "itl", "e2el")
@@ -164,6 +165,81 @@ def per_request_phases(records: Sequence[RequestRecord],
             for r in records]
 
 
+def _cached(r: RequestRecord) -> int | None:
+    if r.cached_tokens is not None:
+        return r.cached_tokens
+    return r.server.cached_tokens if r.server is not None else None
+
+
+def _break_kind(r: RequestRecord) -> str:
+    """The kind of prompt segment where a request left the server's prefix cache."""
+    pc = r.server.prefix_cache if r.server is not None else None
+    seg = pc.get("break_segment") if pc else None
+    if seg == "tools":
+        return "tools"
+    if isinstance(seg, str) and seg.startswith("messages[") and seg.endswith("]"):
+        i = int(seg[9:-1]) if seg[9:-1].isdigit() else -1
+        return role_kind(r.roles[i]) if 0 <= i < len(r.roles) else "other"
+    return "other"
+
+
+def prefix_cache_figures(records: Sequence[RequestRecord]) -> dict[str, Any] | None:
+    """Prompt and cached tokens over the successful requests (the hit rate), and the
+    recomputed tokens by the kind of segment where each left the cache, when the server says
+    (tailserve's ``timing.prefix_cache``). None when no response carried cached tokens."""
+    ok = [r for r in records if r.success and _cached(r) is not None]
+    if not ok:
+        return None
+    prompt = sum(r.server_prompt_tokens or r.prompt_len for r in ok)
+    cached = sum(_cached(r) or 0 for r in ok)
+    by_segment: dict[str, int] | None = None
+    located = [r for r in ok if r.server is not None and r.server.prefix_cache]
+    if located:
+        by_segment = {}
+        for r in located:
+            n = (r.server_prompt_tokens or r.prompt_len) - (_cached(r) or 0)
+            k = _break_kind(r)
+            by_segment[k] = by_segment.get(k, 0) + max(n, 0)
+    return {"prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / prompt if prompt else None,
+            "recomputed_tokens_by_segment": by_segment}
+
+
+def turn_figures(records: Sequence[RequestRecord], ps: Sequence[float] = (50, 99)) -> list[dict[str, Any]]:
+    """Per turn index of multi-turn and agentic sessions: requests, TTFT and E2EL percentiles
+    (ms), mean prompt and cached tokens, the hit rate."""
+    out = []
+    for turn in sorted({r.turn for r in records}):
+        rs = [r for r in records if r.turn == turn and r.success]
+        row: dict[str, Any] = {"turn": turn, "completed": len(rs),
+                               "failed": sum(1 for r in records if r.turn == turn and not r.success)}
+        for m in ("ttft", "e2el"):
+            vals = metric_values(rs, m)
+            for p in ps:
+                row[f"p{p:g}_{m}_ms"] = float(np.percentile(vals, p)) * 1e3 if vals else None
+        prompts = [r.server_prompt_tokens or r.prompt_len for r in rs]
+        cached = [c for r in rs if (c := _cached(r)) is not None]
+        row["mean_prompt_tokens"] = float(np.mean(prompts)) if prompts else None
+        row["mean_cached_tokens"] = float(np.mean(cached)) if cached else None
+        row["hit_rate"] = sum(cached) / sum(prompts) if cached and len(cached) == len(rs) and sum(prompts) else None
+        out.append(row)
+    return out
+
+
+def session_figures(records: Sequence[RequestRecord], ps: Sequence[float] = (50, 99)) -> dict[str, Any] | None:
+    """End to end per session (first turn's send to last turn's end, think times included),
+    over the sessions whose every turn succeeded."""
+    by: dict[int, list[RequestRecord]] = {}
+    for r in records:
+        if r.conversation is not None:
+            by.setdefault(r.conversation, []).append(r)
+    spans = [max(r.end_s for r in rs) - min(r.start_s for r in rs)  # type: ignore[type-var]
+             for rs in by.values() if all(r.success for r in rs)]
+    if not by:
+        return None
+    return {"sessions": len(by), "completed": len(spans),
+            **{f"p{p:g}_e2e_ms": float(np.percentile(spans, p)) * 1e3 if spans else None for p in ps}}
+
+
 def build_result(run: LoadRun, percentile_metrics: Sequence[str], percentiles: Sequence[float],
                  goodput: dict[str, float] | None = None, label: str | None = None,
                  tokenizer_id: str | None = None, dataset_name: str | None = None) -> dict[str, Any]:
@@ -229,6 +305,10 @@ def build_result(run: LoadRun, percentile_metrics: Sequence[str], percentiles: S
     joined = join_server_timings(records)
     result["attribution"] = attribution(records, lag_p99, speculative=bool(counters.get("spec_decode_draft_tokens")),
                                         joined=joined)
+    result["prefix_cache"] = prefix_cache_figures(records)
+    if any(r.conversation is not None for r in records):
+        result["turns"] = turn_figures(records)
+        result["session_e2e"] = session_figures(records)
     phases = per_request_phases(records, joined)
     result["requests"] = [{**r.as_dict(), "phases_ms": ph} for r, ph in zip(records, phases)]
     return result

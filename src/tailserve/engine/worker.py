@@ -10,6 +10,8 @@ executor implements the same seam over one worker per rank.
 
 from __future__ import annotations
 
+import logging
+import os
 import pathlib
 
 import torch
@@ -45,6 +47,10 @@ from tailserve.sample.sampler import Sampler
 from tailserve.speculative.draft_step import make_draft_step
 from tailserve.speculative.proposer import DraftModelProposer, HybridProposer, NgramProposer, Proposer
 from tailserve.speculative.suffix import SuffixConfig, SuffixProposer
+
+log = logging.getLogger("tailserve.engine")
+# vLLM: VLLM_ALLOW_LONG_MAX_MODEL_LEN
+ALLOW_LONG_MAX_MODEL_LEN = "TAILSERVE_ALLOW_LONG_MAX_MODEL_LEN"
 
 
 def _layer_ops(plan: ModelPlan, kernels) -> LayerOps:
@@ -93,9 +99,17 @@ class Worker:
         self.model_dir = pathlib.Path(resolve_model_path(config.model))
         arch = load_arch_config(self.model_dir)
         max_len = config.max_model_len or arch.max_position_embeddings
+        # As vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN: past the trained context the outputs may be
+        # worse (RoPE positions the model never saw), but a benchmark of long prompts needs it.
+        allow_long = os.environ.get(ALLOW_LONG_MAX_MODEL_LEN, "") == "1"
         if max_len > arch.max_position_embeddings:
-            raise ConfigError(f"max_model_len {max_len} exceeds the model's max_position_embeddings "
-                              f"{arch.max_position_embeddings}")
+            if not allow_long:
+                raise ConfigError(f"max_model_len {max_len} exceeds the model's max_position_embeddings "
+                                  f"{arch.max_position_embeddings} (set {ALLOW_LONG_MAX_MODEL_LEN}=1 to allow it: "
+                                  "past its trained context a model's outputs may degrade)")
+            log.warning("max_model_len %d exceeds the model's max_position_embeddings %d (%s=1): outputs past "
+                        "its trained context may degrade", max_len, arch.max_position_embeddings,
+                        ALLOW_LONG_MAX_MODEL_LEN)
         self.max_model_len = max_len
 
         # 1. The plan: every platform decision, made once, before anything loads.
@@ -107,7 +121,7 @@ class Worker:
             if draft_arch.vocab_size != arch.vocab_size:
                 raise ConfigError(f"draft model vocabulary ({draft_arch.vocab_size}) differs from the target's "
                                   f"({arch.vocab_size}); speculative decoding needs the same tokenizer")
-            if draft_arch.max_position_embeddings < max_len:
+            if draft_arch.max_position_embeddings < max_len and not allow_long:
                 raise ConfigError(f"draft model context ({draft_arch.max_position_embeddings}) is shorter than "
                                   f"max_model_len {max_len}")
             plan = plan.with_draft(plan_draft(config, draft_dir, draft_arch, device, caps, plan.dtype))
