@@ -184,3 +184,63 @@ def test_a_completions_prompt_gets_a_token_index_only(tool_server):
     pc = r["timing"]["prefix_cache"]
     assert pc["break_segment"] is None and pc["break_at_token"] >= pc["cached_tokens"] > 0
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == pc["cached_tokens"]
+
+
+# -- KV kept across tool calls --------------------------------------------------------------------
+def test_pinned_blocks_are_handed_out_last_and_only_until_their_pin_ends():
+    now = [0.0]
+    pool = BlockPool(num_blocks=8, block_size=BS, clock=lambda: now[0])
+    agent = _cache_sequence(pool, list(range(64)))  # 4 cached blocks, free
+    assert pool.pin(agent, 5.0) == agent and pool.num_pinned_free_blocks == 4
+    got = pool.allocate(4)  # the other 4 free blocks go first
+    assert not set(got) & set(agent) and pool.stats.pinned_taken == 0
+    pool.check_consistency()
+    # The agent's next turn finds its prefix: the pinned blocks are hits.
+    hashes = pool.hash_blocks(list(range(64)), 4)
+    hits = pool.lookup(list(range(64)), hashes)
+    pool.touch(hits)
+    assert hits == agent and pool.stats.pinned_hits == 4
+    pool.free(hits)  # still within the pin: pinned again when freed
+    assert pool.num_pinned_free_blocks == 4
+    pool.free(got)
+    now[0] = 6.0  # the pin is over: they are ordinary cached blocks again
+    pool.allocate(4)
+    assert pool.num_pinned_free_blocks == 0
+    pool.check_consistency()
+
+
+def test_pinned_blocks_still_give_way_when_nothing_else_is_free_and_unpin_ends_a_pin():
+    now = [0.0]
+    pool = BlockPool(num_blocks=4, block_size=BS, clock=lambda: now[0])
+    agent = _cache_sequence(pool, list(range(64)))
+    pool.pin(agent[:2], 5.0)
+    pool.pin(agent[2:], 2.0)
+    got = pool.allocate(3)  # nothing unpinned is free: the soonest-expiring pins go first
+    assert got[:2] == agent[2:] and pool.stats.pinned_taken == 3
+    pool.unpin(agent[:2])
+    assert pool.num_pinned_free_blocks == 0 and pool.num_free_blocks == 1
+    pool.check_consistency()
+
+
+def test_a_forced_tool_call_pins_its_kv_and_a_final_answer_does_not(client, tool_server):
+    def pinned() -> float:
+        for line in httpx.get(tool_server.url + "/metrics").text.splitlines():
+            if line.startswith("tailserve:kv_cache_pinned_blocks{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError("no tailserve:kv_cache_pinned_blocks gauge")
+
+    before = pinned()
+    messages = [_system(), {"role": "user", "content": "What is the weather in Paris?"}]
+    bounded = [{"type": "function", "function": {  # arguments a random model finishes within max_tokens
+        "name": "get_weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                       "properties": {"city": {"enum": ["Paris", "Rome"]}}}}}]
+    r = client.chat.completions.create(model="qwen-tiny", messages=messages, tools=bounded, tool_choice="required",
+                                       max_tokens=128, temperature=0)
+    assert r.choices[0].finish_reason == "tool_calls"
+    after_call = pinned()
+    assert after_call - before >= (r.usage.prompt_tokens // BS) - 1  # the prompt's cached blocks, at least
+    r = client.chat.completions.create(model="qwen-tiny", messages=[_system(), messages[1]], tools=bounded,
+                                       tool_choice="auto", max_tokens=2, temperature=0)
+    assert r.choices[0].finish_reason != "tool_calls"
+    assert pinned() == after_call  # its provisional pin ended with its answer

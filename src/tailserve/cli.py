@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from tailserve.config import DEFAULT_KV_CACHE_MEMORY_BYTES, parse_bytes
+from tailserve.config import DEFAULT_KV_CACHE_MEMORY_BYTES, DEFAULT_TOOL_CALL_KV_TTL_S, parse_bytes
 from tailserve.errors import ConfigError, TailserveError
 
 
@@ -218,7 +218,7 @@ def _tool_options(args: argparse.Namespace) -> dict[str, object]:
             raise ConfigError(f"--chat-template {path}: not a valid Jinja template (line {e.lineno}: {e.message})") \
                 from None
     try:
-        config = ToolCallingConfig(args.enable_auto_tool_choice, args.tool_call_parser)
+        config = ToolCallingConfig(args.enable_auto_tool_choice, args.tool_call_parser, args.tool_call_kv_ttl)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return {"chat_template": template, "tool_calling": config}
@@ -479,6 +479,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
                      help="the model family's tool-call markup: hermes (Qwen2.5/Qwen3, Hermes: <tool_call>...), "
                           "llama3_json (Llama 3.x JSON calls), mistral ([TOOL_CALLS])")
+    srv.add_argument("--tool-call-kv-ttl", type=float, default=DEFAULT_TOOL_CALL_KV_TTL_S, metavar="SECONDS",
+                     help="after a response that ends in a tool call, keep its KV blocks the last to be evicted "
+                          f"for this long (the agent's next turn reuses them; default {DEFAULT_TOOL_CALL_KV_TTL_S:g}, "
+                          "0: off)")
     _add_engine_args(srv)
     srv.set_defaults(func=_cmd_serve)
 

@@ -16,6 +16,8 @@ DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # 1 GiB on the CPU
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # CUDA without kv_cache_memory_bytes: as vLLM
 _SIZE_SUFFIXES = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
                   "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+# tailserve serve --tool-call-kv-ttl (server/tools.py): seconds a tool call's KV stays the last to go.
+DEFAULT_TOOL_CALL_KV_TTL_S = 5.0
 
 
 def parse_bytes(text: str | int) -> int:

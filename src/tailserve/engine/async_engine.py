@@ -107,6 +107,10 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id, None, None))
 
+    def unpin(self, request_id: str, num_samples: int = 1) -> None:
+        """End a finished request's KV pin (its answer was not a tool call)."""
+        self._commands.put(("unpin", request_id, num_samples, None))
+
     def shutdown(self) -> None:
         self._stop.set()
         self._commands.put(("stop", None, None, None))
@@ -138,6 +142,8 @@ class AsyncEngine:
                 self.engine.add_prepared(prepared, rid, arrival_ns)
             except TailserveError as e:
                 self._deliver(rid, e)
+        elif kind == "unpin":
+            self.engine.unpin_request(rid, prepared)  # the third slot: the number of samples
         elif kind == "abort":
             if rid in self.engine.output_processor:
                 self.engine.abort_request(rid)

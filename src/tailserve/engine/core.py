@@ -102,6 +102,7 @@ class EngineCore:
         req = Request(request_id, prepared.prompt_token_ids, params, self.eos_token_ids, self.max_model_len)
         if prepared.grammar is not None:
             req.grammar = prepared.grammar.start()  # each sample its own matcher
+        req.kv_pin_s = prepared.kv_pin_s
         return req
 
     def add_request(self, request_id: str, prepared: PreparedRequest, arrival_ns: int = 0) -> None:
@@ -122,6 +123,11 @@ class EngineCore:
             self.scheduler.add_fork_group(reqs[0], reqs[1:])
         except ValueError as e:
             raise InvalidRequestError(str(e), "request_id") from None
+
+    def unpin(self, request_ids: list[str]) -> None:
+        """End finished requests' KV pins (``PreparedRequest.kv_pin_s``): their answers were final."""
+        for rid in request_ids:
+            self.scheduler.unpin(rid)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> dict[str, list[tuple[str, int]]]:
         """Finish requests from outside a step; returns each one's unreported timeline events."""

@@ -199,6 +199,12 @@ class LLMEngine:
                                           prepared.prompt_segments)
         return rid
 
+    def unpin_request(self, request_id: str, num_samples: int = 1) -> None:
+        """A finished request's answer was final: end the pin its ``kv_pin_s`` set (each of its
+        ``num_samples`` samples: ``SamplingParams.num_samples``)."""
+        self.core.unpin([request_id] if num_samples == 1 else
+                        [child_request_id(request_id, i) for i in range(num_samples)])
+
     def abort_request(self, request_id: str) -> RequestMetrics | None:
         """End a request (all its samples) now and free its blocks; returns its metrics (if
         recorded)."""

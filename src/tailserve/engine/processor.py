@@ -28,6 +28,9 @@ class PreparedRequest:
     # A chat prompt's parts by first token (the tools, each message), for the prefix-break
     # report; empty for a completions prompt.
     prompt_segments: tuple[PromptSegment, ...] = ()
+    # When it finishes, keep its cached blocks the last to be evicted for this long (an agent's
+    # turn that may end in a tool call: the next turn sends the same prefix); 0: no pin.
+    kv_pin_s: float = 0.0
 
 
 class Processor:

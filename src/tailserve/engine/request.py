@@ -49,6 +49,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
     prefix_break_token: int = -1  # at first admission: Scheduler._prefix_break
+    kv_pin_s: float = 0.0  # on finishing, pin its cached blocks this long (Scheduler._pin)
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     # What the worker has been sent: None = nothing yet (new, or resumed after a preemption:

@@ -78,6 +78,8 @@ class Scheduler:
         self.num_forks = 0  # samples forked from their group's first
         self.num_fork_shared_blocks = 0  # prompt blocks they shared instead of computing
         self.num_fork_copied_blocks = 0  # blocks copied on write at a fork
+        # Finished requests whose blocks are pinned (``_pin``): id -> (block ids, expiry).
+        self._kv_pins: dict[str, tuple[list[int], float]] = {}
         # Speculative decoding (None: off). Every request takes the controller's k, seeded ones
         # too: their tokens are their races' winners whatever k is (sample/sampler.py).
         self.speculation = speculation
@@ -101,7 +103,8 @@ class Scheduler:
             num_evictions=ps.evictions, num_preemptions=self.num_preemptions, bytes_per_block=bytes_per_block,
             num_shared_blocks=sum(1 for n in holders.values() if n > 1),
             num_block_references=sum(holders.values()),
-            num_forks=self.num_forks, num_fork_shared_blocks=self.num_fork_shared_blocks)
+            num_forks=self.num_forks, num_fork_shared_blocks=self.num_fork_shared_blocks,
+            num_pinned_blocks=pool.num_pinned_free_blocks, pinned_hits=ps.pinned_hits, pinned_taken=ps.pinned_taken)
 
     # -- queue management -----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -144,6 +147,25 @@ class Scheduler:
         self._release(req)
         events, req.events = req.events, []
         return events
+
+    def _pin(self, req: Request) -> None:
+        """A request that may come back with the same prefix (an agent's turn that may end in a
+        tool call): its cached blocks are the last to be evicted for ``kv_pin_s`` seconds,
+        unless ``unpin`` says the answer was final."""
+        now = self.pool.clock()
+        for rid in [r for r, (_, until) in self._kv_pins.items() if until <= now]:
+            del self._kv_pins[rid]  # expired: the pool let them go already
+        pinned = self.pool.pin(req.block_ids, req.kv_pin_s)
+        if pinned:  # the cached ones (a last partial block has nothing to keep, and is reused at once)
+            self._kv_pins[req.request_id] = (pinned, now + req.kv_pin_s)
+
+    def unpin(self, request_id: str) -> None:
+        """End a finished request's pin (its answer was not a tool call)."""
+        pinned = self._kv_pins.pop(request_id, None)
+        if pinned is not None:
+            # Blocks another pin holds too (a shared system prompt) stay pinned for it.
+            others = {b for blocks, _ in self._kv_pins.values() for b in blocks}
+            self.pool.unpin([b for b in pinned[0] if b not in others])
 
     def _release(self, req: Request) -> None:
         if req.fork_children:
@@ -445,6 +467,8 @@ class Scheduler:
             outputs.append(co)
             if finished:
                 self.running.remove(req)
+                if req.kv_pin_s > 0:
+                    self._pin(req)
                 self._release(req)
                 continue
             self._mark_draft_filled(req, result.num_draft_computed.get(req.request_id))

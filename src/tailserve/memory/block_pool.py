@@ -6,10 +6,15 @@ block tables; a full block whose tokens are known gets a *chained* hash,
 the token ids are compared too, so even a hash collision never shares the wrong block.
 Freed blocks that carry a hash stay in the free queue, reusable, until they are evicted
 least recently used first; blocks without a hash are handed out before any cached one.
+
+Pinned blocks (``pin``: a request that ended in a tool call, whose agent will likely send
+the same prefix again once the tool has run) are free but kept apart until their time is
+up: they are handed out only when no other block is free, soonest expiry first.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +45,9 @@ class PrefixCacheStats:
     queries_tokens: int = 0  # prompt tokens looked up at admission
     hits_tokens: int = 0  # of those, tokens found in cached blocks
     evictions: int = 0  # cached blocks whose hash was dropped to reuse the block
+    pinned_blocks: int = 0  # blocks pinned after their request (``pin``)
+    pinned_hits: int = 0  # pinned blocks a later admission took as prefix-cache hits before expiry
+    pinned_taken: int = 0  # pinned blocks handed out before expiry because nothing else was free
 
     queries_requests: int = 0  # admissions that looked up the prefix cache
     hits_requests: int = 0  # of those, admissions that found at least one cached block
@@ -52,6 +60,7 @@ class BlockPool:
     block_size: int
     enable_prefix_caching: bool = True
     hash_fn: HashFn = default_block_hash
+    clock: Callable[[], float] = time.monotonic  # for pins' expiry
     blocks: list[Block] = field(init=False)
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
 
@@ -65,15 +74,22 @@ class BlockPool:
         # Cached blocks by their parent's hash and first token: where a prompt that matched up
         # to a block leaves the cache inside the next one (``first_divergence``).
         self._children: dict[BlockHash | None, dict[int, set[int]]] = {}
+        # Free pinned blocks -> expiry (clock seconds), soonest first; pins of blocks in use.
+        self._free_pinned: OrderedDict[int, float] = OrderedDict()
+        self._pin_until: dict[int, float] = {}
 
     # -- queries -----------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._free_pinned)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_pinned_free_blocks(self) -> int:
+        return len(self._free_pinned)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -82,11 +98,17 @@ class BlockPool:
     # -- allocation ----------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
         """Take n free blocks (ref count 1). Raises if fewer are free: callers check first."""
-        if n > len(self._free):
-            raise RuntimeError(f"asked for {n} blocks, {len(self._free)} free")
+        if n > self.num_free_blocks:
+            raise RuntimeError(f"asked for {n} blocks, {self.num_free_blocks} free")
+        self._expire_pins()
         out = []
         for _ in range(n):
-            block_id, _ = self._free.popitem(last=False)
+            if self._free:
+                block_id, _ = self._free.popitem(last=False)
+            else:  # only pinned blocks left: the one whose pin ends soonest
+                block_id, _ = self._free_pinned.popitem(last=False)
+                self.stats.pinned_taken += 1
+            self._pin_until.pop(block_id, None)
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 self._evict(block)
@@ -120,9 +142,62 @@ class BlockPool:
                 raise RuntimeError(f"block {block_id} freed more often than allocated")
             block.ref_count -= 1
             if block.ref_count == 0:
+                until = self._pin_until.get(block_id)
+                if until is not None and block.block_hash is not None and until > self.clock():
+                    self._insert_pinned(block_id, until)
+                    continue
+                self._pin_until.pop(block_id, None)
                 self._free[block_id] = None
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)
+
+    # -- pins ------------------------------------------------------------------------------
+    def pin(self, block_ids: Sequence[int], seconds: float) -> list[int]:
+        """Keep these blocks' cached K/V for ``seconds`` from now: while free they are handed
+        out only after every unpinned free block. Blocks without a hash (nothing to reuse) are
+        not pinned. Returns those that were."""
+        until = self.clock() + seconds
+        pinned = []
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.block_hash is None or seconds <= 0:
+                continue
+            until_b = max(until, self._pin_until.get(block_id, until))
+            self._pin_until[block_id] = until_b
+            if block.ref_count == 0:
+                self._free.pop(block_id, None)
+                self._free_pinned.pop(block_id, None)
+                self._insert_pinned(block_id, until_b)
+            pinned.append(block_id)
+        self.stats.pinned_blocks += len(pinned)
+        return pinned
+
+    def unpin(self, block_ids: Sequence[int]) -> None:
+        """End these blocks' pins now (free ones go back to the free queue, most recently used)."""
+        for block_id in block_ids:
+            if self._pin_until.pop(block_id, None) is None:
+                continue
+            if self._free_pinned.pop(block_id, None) is not None:
+                self._free[block_id] = None
+
+    def _insert_pinned(self, block_id: int, until: float) -> None:
+        last = next(reversed(self._free_pinned.values()), None) if self._free_pinned else None
+        self._free_pinned[block_id] = until
+        if last is None or last <= until:
+            return  # pins mostly arrive in expiry order
+        later = [b for b, u in self._free_pinned.items() if u > until]
+        for b in later:
+            self._free_pinned.move_to_end(b)
+
+    def _expire_pins(self) -> None:
+        now = self.clock()
+        while self._free_pinned:
+            block_id, until = next(iter(self._free_pinned.items()))
+            if until > now:
+                break
+            del self._free_pinned[block_id]
+            self._pin_until.pop(block_id, None)
+            self._free[block_id] = None
 
     # -- prefix cache ----------------------------------------------------------------------
     def hash_blocks(self, token_ids: Sequence[int], num_full_blocks: int,
@@ -157,7 +232,10 @@ class BlockPool:
         for block_id in block_ids:
             block = self.blocks[block_id]
             if block.ref_count == 0:
-                del self._free[block_id]
+                if self._free_pinned.pop(block_id, None) is not None:
+                    self.stats.pinned_hits += 1
+                else:
+                    del self._free[block_id]
             block.ref_count += 1
 
     def cache_block(self, block_id: int, block_hash: BlockHash, token_ids: tuple[int, ...],
@@ -214,9 +292,11 @@ class BlockPool:
     def check_consistency(self) -> None:
         """Raise if the pool's invariants do not hold (used by tests and debug checks)."""
         for block in self.blocks:
-            in_free = block.block_id in self._free
+            in_free = block.block_id in self._free or block.block_id in self._free_pinned
             if (block.ref_count == 0) != in_free:
                 raise AssertionError(f"block {block.block_id}: ref {block.ref_count}, in free queue {in_free}")
+            if block.block_id in self._free and block.block_id in self._free_pinned:
+                raise AssertionError(f"block {block.block_id}: in both free queues")
             if block.ref_count < 0:
                 raise AssertionError(f"block {block.block_id}: negative ref count")
             if (block.block_hash is None) != (block.token_ids is None):

@@ -44,6 +44,9 @@ class KVCacheFigures:
     num_block_references: int = 0  # sum of used blocks' holders
     num_forks: int = 0  # parallel samples forked from their prompt's first sample (cumulative)
     num_fork_shared_blocks: int = 0  # prompt blocks those forks shared instead of computing (cumulative)
+    num_pinned_blocks: int = 0  # free blocks pinned after a tool call, kept the last to be evicted
+    pinned_hits: int = 0  # pinned blocks taken as prefix-cache hits before their pin ended (cumulative)
+    pinned_taken: int = 0  # pinned blocks handed out early because nothing else was free (cumulative)
 
     @property
     def block_utilization(self) -> float:

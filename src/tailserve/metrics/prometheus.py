@@ -27,6 +27,9 @@ class KVGaugeSource(Protocol):
     prefix_queries_requests: int
     prefix_hits_requests: int
     num_evictions: int
+    num_pinned_blocks: int
+    pinned_hits: int
+    pinned_taken: int
 
     @property
     def block_utilization(self) -> float: ...
@@ -164,6 +167,14 @@ class PrometheusMetrics:
             "Prompt tokens computed rather than taken from the prefix cache, by the kind of prompt segment where "
             "the prompt left the cache (tools, system, user, assistant, tool; other: a full hit's last partial "
             "block, a completions prompt).", [*lab, "segment"], registry=r)
+        self.kv_pinned = Gauge("tailserve:kv_cache_pinned_blocks",
+                               "Free KV blocks pinned after a response that ended in a tool call (--tool-call-kv-ttl): "
+                               "the last to be evicted until their pin ends.", lab, registry=r)
+        self.kv_pinned_hits = Counter("tailserve:kv_cache_pinned_hits",
+                                      "Pinned KV blocks a later request reused as prefix-cache hits.", lab, registry=r)
+        self.kv_pinned_taken = Counter("tailserve:kv_cache_pinned_taken",
+                                       "Pinned KV blocks handed out before their pin ended (nothing else was free).",
+                                       lab, registry=r)
         self.suffix_requests = Gauge("tailserve:suffix_cache_requests",
                                      "Finished requests in suffix decoding's global cache.", lab, registry=r)
         self.suffix_bytes = Gauge("tailserve:suffix_cache_bytes",
@@ -203,10 +214,10 @@ class PrometheusMetrics:
             "e2el", "queue", "prefill", "decode", "inference", "tpot", "itl", "spec_drafts", "spec_draft_tokens",
             "spec_accepted", "kv_blocks_cached", "kv_internal_frag", "prefix_request_queries", "prefix_request_hits",
             "prefix_evictions", "kv_blocks_shared", "kv_blocks_saved", "accepted", "suffix_requests",
-            "suffix_bytes")}
+            "suffix_bytes", "kv_pinned", "kv_pinned_hits", "kv_pinned_taken")}
         self._last_queries = 0
         self._last_hits = 0
-        self._last_kv_counts = (0, 0, 0)
+        self._last_kv_counts = (0, 0, 0, 0, 0)
 
     def observe_step(self, s: StepStats, prefix_queries_total: int, prefix_hits_total: int) -> None:
         self._c["step_time"].observe(s.duration_s)
@@ -234,9 +245,11 @@ class PrometheusMetrics:
         c["kv_blocks_cached"].set(fig.num_cached_blocks)
         c["kv_blocks_shared"].set(fig.num_shared_blocks)
         c["kv_blocks_saved"].set(fig.blocks_saved_by_sharing)
-        counts = (fig.prefix_queries_requests, fig.prefix_hits_requests, fig.num_evictions)
-        for name, now, before in zip(("prefix_request_queries", "prefix_request_hits", "prefix_evictions"), counts,
-                                     self._last_kv_counts):
+        c["kv_pinned"].set(fig.num_pinned_blocks)
+        counts = (fig.prefix_queries_requests, fig.prefix_hits_requests, fig.num_evictions, fig.pinned_hits,
+                  fig.pinned_taken)
+        for name, now, before in zip(("prefix_request_queries", "prefix_request_hits", "prefix_evictions",
+                                      "kv_pinned_hits", "kv_pinned_taken"), counts, self._last_kv_counts):
             if now > before:
                 c[name].inc(now - before)
         self._last_kv_counts = counts

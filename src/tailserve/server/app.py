@@ -16,6 +16,7 @@ only the requests it touched (500) and the server keeps serving.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -109,9 +110,10 @@ class Server:
                            code="model_not_found")
 
     async def _submit(self, rid: str, prompts: list, greq: GenerationRequest, arrival_ns: int,
-                      segments: tuple[PromptSegment, ...] = ()):
+                      segments: tuple[PromptSegment, ...] = (), kv_pin_s: float = 0.0):
         def prepare() -> list:
-            return [self.engine.prepare_request(p, greq.params, segments) for p in prompts]
+            preps = [self.engine.prepare_request(p, greq.params, segments) for p in prompts]
+            return [dataclasses.replace(p, kv_pin_s=kv_pin_s) for p in preps] if kv_pin_s else preps
 
         try:
             # A grammar's compilation can take a large schema hundreds of milliseconds: off the
@@ -224,7 +226,7 @@ class Server:
             prompt_ids, segments = self.chat.render_segments(creq.messages, creq.tools)
         else:
             prompt_ids = self.chat.render(creq.messages, creq.tools)
-        subs = await self._submit(rid, [prompt_ids], greq, arrival, segments)
+        subs = await self._submit(rid, [prompt_ids], greq, arrival, segments, tools.kv_pin_s)
         if greq.stream:
             return StreamingResponse(self._stream(rid, subs, greq, chat=True, tools=tools),
                                      media_type="text/event-stream", headers=self._headers(rid))
@@ -241,6 +243,8 @@ class Server:
                             "stop_reason": c.stop_reason,
                             "logprobs": self._chat_logprobs(c, 0, greq.logprobs) if greq.logprobs is not None
                             else None})
+        if tools.kv_pin_s and not any(ch["finish_reason"] == "tool_calls" for ch in choices):
+            self.async_engine.unpin(subs[0][0], greq.params.num_samples)  # a final answer: no pin
         return self._final_json(rid, "chat.completion", choices, outs)
 
     def _final_json(self, rid: str, obj: str, choices: list, outs: list[RequestOutput],
@@ -266,6 +270,7 @@ class Server:
         lp_sent: dict[int, int] = {}  # per choice: how many tokens' logprobs have been streamed
         echoed: set[int] = set()  # choices whose prompt (echo) has been sent
         ended: set[int] = set()  # choices whose finish_reason has been sent
+        called = False  # whether a choice ended in a tool call (else a KV pin ends with the stream)
         # Tool calling: each choice's text through its parser (markup never reaches content).
         tool_streams: dict[int, ChoiceStream] = {}
         reads_tools = tools is not None and (tools.forced is not None or tools.parser is not None)
@@ -303,6 +308,8 @@ class Server:
                             delta["tool_calls"] = [d.to_openai() for d in tool_deltas]
                         if not delta and finish is None:
                             continue  # held back: it may begin a call
+                    if finish == "tool_calls":
+                        called = True
                     if finish is not None:
                         ended.add(index)
                     # Logprobs of every token since the last chunk (tokens whose text is held
@@ -347,6 +354,9 @@ class Server:
                                                           "total_tokens": p + c,
                                                           "prompt_tokens_details": {"cached_tokens": cached}}})
             yield b"data: [DONE]\n\n"
+            if tools is not None and tools.kv_pin_s and not called:
+                for sub_id, _, _ in subs:
+                    self.async_engine.unpin(sub_id, greq.params.num_samples)
         finally:
             await events.aclose()  # client gone or stream done: aborts whatever is unfinished
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tailserve.config import DEFAULT_TOOL_CALL_KV_TTL_S
 from tailserve.sampling_params import StructuredOutputsParams
 from tailserve.server.protocol import APIError, ChatRequest
 from tailserve.structured.tool_parsers import (
@@ -32,8 +33,14 @@ class ToolCallingConfig:
 
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # --tool-call-kv-ttl: a request that can call a tool keeps its cached blocks the last to be
+    # evicted this long after it ends in a tool call (the agent's next turn, after the tool
+    # runs, sends the same prefix again); 0 turns it off.
+    tool_call_kv_ttl_s: float = DEFAULT_TOOL_CALL_KV_TTL_S
 
     def __post_init__(self) -> None:
+        if not self.tool_call_kv_ttl_s >= 0:
+            raise ValueError(f"--tool-call-kv-ttl must be >= 0 seconds, got {self.tool_call_kv_ttl_s}")
         if self.tool_call_parser is not None:
             get_tool_parser(self.tool_call_parser)  # ValueError naming the choices
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -50,6 +57,9 @@ class ToolMode:
         self.structured: StructuredOutputsParams | None = None
         self.parallel = creq.parallel_tool_calls
         choice = creq.tool_choice
+        # A request that can end in a tool call pins its KV on finishing, provisionally: the
+        # server ends the pin when the answer turns out not to be one.
+        self.kv_pin_s = config.tool_call_kv_ttl_s if creq.tools and choice not in (None, "none") else 0.0
         if choice is None or choice == "none":
             return
         tools = creq.tools or []
