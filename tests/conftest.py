@@ -197,7 +197,7 @@ def chat_checkpoint(tmp_path_factory):
     tok.add_special_tokens([AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)])
     tok.add_tokens([AddedToken("<tool_call>", special=False), AddedToken("</tool_call>", special=False)])
     eos = tok.token_to_id("<|im_end|>")
-    model = build_hf_model("qwen2", eos_token_id=eos, bos_token_id=None, max_position_embeddings=2048)
+    model = build_hf_model("qwen2", eos_token_id=eos, bos_token_id=None, max_position_embeddings=8192)
     model.save_pretrained(path, safe_serialization=True)
     tok.post_processor = None
     tok.save(str(path / "tokenizer.json"))

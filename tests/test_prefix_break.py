@@ -229,7 +229,7 @@ def test_a_forced_tool_call_pins_its_kv_and_a_final_answer_does_not(client, tool
                 return float(line.rsplit(" ", 1)[1])
         raise AssertionError("no tailserve:kv_cache_pinned_blocks gauge")
 
-    before = pinned()
+    # Other tests' pins end meanwhile (5 s), so the gauge can only be read as a bound.
     messages = [_system(), {"role": "user", "content": "What is the weather in Paris?"}]
     bounded = [{"type": "function", "function": {  # arguments a random model finishes within max_tokens
         "name": "get_weather", "description": "The weather in a city",
@@ -239,8 +239,9 @@ def test_a_forced_tool_call_pins_its_kv_and_a_final_answer_does_not(client, tool
                                        max_tokens=128, temperature=0)
     assert r.choices[0].finish_reason == "tool_calls"
     after_call = pinned()
-    assert after_call - before >= (r.usage.prompt_tokens // BS) - 1  # the prompt's cached blocks, at least
+    assert after_call >= (r.usage.prompt_tokens // BS) - 1  # the prompt's cached blocks, at least
     r = client.chat.completions.create(model="qwen-tiny", messages=[_system(), messages[1]], tools=bounded,
                                        tool_choice="auto", max_tokens=2, temperature=0)
     assert r.choices[0].finish_reason != "tool_calls"
-    assert pinned() == after_call  # its provisional pin ended with its answer
+    assert r.usage.prompt_tokens // BS > 8
+    assert pinned() <= after_call  # its provisional pin ended with its answer (else ~30 more blocks)

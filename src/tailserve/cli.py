@@ -217,10 +217,14 @@ def _tool_options(args: argparse.Namespace) -> dict[str, object]:
         except TemplateSyntaxError as e:
             raise ConfigError(f"--chat-template {path}: not a valid Jinja template (line {e.lineno}: {e.message})") \
                 from None
+    from tailserve.server.tool_pruning import ToolPruning
+
     try:
-        config = ToolCallingConfig(args.enable_auto_tool_choice, args.tool_call_parser, args.tool_call_kv_ttl)
+        pruning = ToolPruning(args.tool_pruning, args.tool_pruning_max_tools)
+        config = ToolCallingConfig(args.enable_auto_tool_choice, args.tool_call_parser, args.tool_call_kv_ttl, pruning)
     except ValueError as e:
-        raise ConfigError(str(e)) from None
+        raise ConfigError(str(e).replace("tool pruning mode", "--tool-pruning").replace(
+            "tool pruning max_tools", "--tool-pruning-max-tools")) from None
     return {"chat_template": template, "tool_calling": config}
 
 
@@ -483,6 +487,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="after a response that ends in a tool call, keep its KV blocks the last to be evicted "
                           f"for this long (the agent's next turn reuses them; default {DEFAULT_TOOL_CALL_KV_TTL_S:g}, "
                           "0: off)")
+    srv.add_argument("--tool-pruning", default="off", choices=["off", "prune", "mask"],
+                     help="the default for requests without tool_pruning: send only the most relevant tools "
+                          "(prune: render only those, in catalogue order; mask: render all, allow calls to those "
+                          "only); see docs/agents.md")
+    srv.add_argument("--tool-pruning-max-tools", type=int, default=8, metavar="N",
+                     help="tools kept by pruning when a request does not say (default 8)")
     _add_engine_args(srv)
     srv.set_defaults(func=_cmd_serve)
 

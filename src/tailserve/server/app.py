@@ -50,6 +50,7 @@ from tailserve.server.protocol import (
     parse_json_body,
     with_structured_outputs,
 )
+from tailserve.server.tool_pruning import ToolRanker, parse_tool_pruning
 from tailserve.server.tools import ChoiceStream, ToolCallingConfig, ToolMode
 
 log = logging.getLogger("tailserve.server")
@@ -80,6 +81,7 @@ class Server:
         self.model_names = [self.model_name, *[a for a in dict.fromkeys(model_aliases) if a != self.model_name]]
         self.chat = ChatTemplate(engine.tokenizer, chat_template) if engine.tokenizer is not None else None
         self.tool_calling = tool_calling or ToolCallingConfig()
+        self.tool_ranker = ToolRanker()
         self.created = int(time.time())
 
     # -- plumbing ----------------------------------------------------------------------
@@ -219,16 +221,34 @@ class Server:
         if self.chat is None:
             raise APIError(400, "this model has no tokenizer, so chat is not available; use /v1/completions "
                                 "with token ids", "messages")
-        tools = ToolMode(creq, self.tool_calling)
+        pruning = parse_tool_pruning(creq.tool_pruning, self.tool_calling.tool_pruning)
+        pruned = None
+        render_tools = creq.tools
+        if creq.tools and pruning.mode != "off":
+            if pruning.mode == "mask" and creq.tool_choice == "auto":
+                raise APIError(400, 'tool pruning "mask" limits calls through the call grammar, which tool_choice '
+                                    '"auto" does not use (its output is parsed); use "prune", or tool_choice '
+                                    '"required" or a named function', "tool_pruning")
+            pruned = self.tool_ranker.select(creq.tools, creq.messages, pruning, creq.forced_function)
+            kept = [creq.tools[i] for i in pruned.kept]
+            render_tools = kept if pruning.mode == "prune" else creq.tools
+            tools = ToolMode(creq, self.tool_calling, kept)
+        else:
+            tools = ToolMode(creq, self.tool_calling)
         with_structured_outputs(greq, tools.structured, tools.skip_special_tokens)
         segments: tuple[PromptSegment, ...] = ()
         if self.engine.config.enable_prefix_caching:  # where a prompt left the cache is named by its parts
-            prompt_ids, segments = self.chat.render_segments(creq.messages, creq.tools)
+            prompt_ids, segments = self.chat.render_segments(creq.messages, render_tools)
         else:
-            prompt_ids = self.chat.render(creq.messages, creq.tools)
+            prompt_ids = self.chat.render(creq.messages, render_tools)
+        extra: dict[str, Any] = {}
+        if pruned is not None:
+            saved = len(self.chat.render(creq.messages, creq.tools)) - len(prompt_ids) if pruned.dropped and \
+                render_tools is not creq.tools else 0
+            extra["tool_pruning"] = pruned.to_wire(saved)
         subs = await self._submit(rid, [prompt_ids], greq, arrival, segments, tools.kv_pin_s)
         if greq.stream:
-            return StreamingResponse(self._stream(rid, subs, greq, chat=True, tools=tools),
+            return StreamingResponse(self._stream(rid, subs, greq, chat=True, tools=tools, extra=extra),
                                      media_type="text/event-stream", headers=self._headers(rid))
         outs = await self._collect(request, subs)
         choices = []
@@ -245,10 +265,10 @@ class Server:
                             else None})
         if tools.kv_pin_s and not any(ch["finish_reason"] == "tool_calls" for ch in choices):
             self.async_engine.unpin(subs[0][0], greq.params.num_samples)  # a final answer: no pin
-        return self._final_json(rid, "chat.completion", choices, outs)
+        return self._final_json(rid, "chat.completion", choices, outs, extra=extra)
 
     def _final_json(self, rid: str, obj: str, choices: list, outs: list[RequestOutput],
-                    score_only: bool = False) -> JSONResponse:
+                    score_only: bool = False, extra: dict[str, Any] | None = None) -> JSONResponse:
         prompt_tokens = sum(o.num_prompt_tokens for o in outs)
         completion_tokens = 0 if score_only else sum(o.num_output_tokens for o in outs)
         slowest = max((o.metrics for o in outs if o.metrics is not None), key=lambda m: m.e2el_s, default=None)
@@ -256,13 +276,13 @@ class Server:
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                           "total_tokens": prompt_tokens + completion_tokens,
                           "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}},
-                "timing": timing_dict(slowest)}
+                "timing": timing_dict(slowest), **(extra or {})}
         if self.engine.config.speculative_synthetic_acceptance is not None:  # LOSSY benchmark mode: labelled
             body["synthetic_acceptance"] = self.engine.config.speculative_synthetic_acceptance
         return JSONResponse(body, headers=self._headers(rid, slowest))
 
     async def _stream(self, rid: str, subs, greq: GenerationRequest, chat: bool,
-                      tools: ToolMode | None = None) -> AsyncIterator[bytes]:
+                      tools: ToolMode | None = None, extra: dict[str, Any] | None = None) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
         finals: list[RequestOutput] = []
@@ -342,6 +362,7 @@ class Server:
                 if out.finished:
                     finals.append(out)
                     chunk["timing"] = timing_dict(out.metrics)
+                    chunk.update(extra or {})
                     if self.engine.config.speculative_synthetic_acceptance is not None:
                         chunk["synthetic_acceptance"] = self.engine.config.speculative_synthetic_acceptance
                 yield self._sse(chunk)

@@ -65,7 +65,8 @@ CHAT_FIELDS = frozenset({
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
     "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "stream", "stream_options", "n", "user",
     "response_format", "skip_special_tokens", "include_stop_str_in_output", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "logit_bias", "structured_outputs", "tools", "tool_choice", "parallel_tool_calls"})
+    "repetition_penalty", "logit_bias", "structured_outputs", "tools", "tool_choice", "parallel_tool_calls",
+    "tool_pruning"})
 # Accepted only at the value that asks for nothing (None is always neutral).
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (1,), "min_tokens": (0,), "spaces_between_special_tokens": (True,), "add_special_tokens": (True,),
@@ -282,6 +283,7 @@ class ChatRequest:
     tools: list[dict[str, Any]] | None  # OpenAI's {"type": "function", "function": {...}} entries
     tool_choice: str | None  # "none" | "auto" | "required" | a function name; None without tools
     parallel_tool_calls: bool
+    tool_pruning: object = None  # the body's tool_pruning, as sent (server/tool_pruning.py reads it)
 
     @property
     def forced_function(self) -> str | None:
@@ -395,7 +397,10 @@ def chat_request(body: dict[str, Any]) -> ChatRequest:
     if tool_choice not in (None, "none", "auto") and params.structured_outputs is not None:
         raise APIError(400, f"tool_choice {json.dumps(tool_choice)} constrains the output to a tool call; it cannot "
                             "be combined with response_format or structured_outputs", "tool_choice")
-    return ChatRequest(clean, _common(body, [], params, logprobs), tools, tool_choice, parallel)
+    pruning = body.get("tool_pruning")
+    if pruning is not None and not tools:
+        raise APIError(400, "tool_pruning needs tools to choose from; the request has none", "tool_pruning")
+    return ChatRequest(clean, _common(body, [], params, logprobs), tools, tool_choice, parallel, pruning)
 
 
 def with_structured_outputs(greq: GenerationRequest, so: StructuredOutputsParams | None,

@@ -12,11 +12,12 @@ constraint (forced calls) or a parser (``auto``), and each choice's text becomes
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tailserve.config import DEFAULT_TOOL_CALL_KV_TTL_S
 from tailserve.sampling_params import StructuredOutputsParams
 from tailserve.server.protocol import APIError, ChatRequest
+from tailserve.server.tool_pruning import ToolPruning
 from tailserve.structured.tool_parsers import (
     ForcedCalls,
     ToolCall,
@@ -37,6 +38,8 @@ class ToolCallingConfig:
     # evicted this long after it ends in a tool call (the agent's next turn, after the tool
     # runs, sends the same prefix again); 0 turns it off.
     tool_call_kv_ttl_s: float = DEFAULT_TOOL_CALL_KV_TTL_S
+    # --tool-pruning / --tool-pruning-max-tools: the default for requests without tool_pruning.
+    tool_pruning: ToolPruning = field(default_factory=ToolPruning)
 
     def __post_init__(self) -> None:
         if not self.tool_call_kv_ttl_s >= 0:
@@ -51,7 +54,9 @@ class ToolMode:
     """How one request's choices are read: ``forced`` (a named function or ``"required"``),
     ``parser`` (``auto``), or neither (plain content)."""
 
-    def __init__(self, creq: ChatRequest, config: ToolCallingConfig) -> None:
+    def __init__(self, creq: ChatRequest, config: ToolCallingConfig,
+                 callable_tools: list[dict] | None = None) -> None:
+        """``callable_tools``: the tools a call may name (tool pruning's kept ones; default all)."""
         self.forced: ForcedCalls | None = None
         self.parser: ToolParser | None = None
         self.structured: StructuredOutputsParams | None = None
@@ -62,7 +67,7 @@ class ToolMode:
         self.kv_pin_s = config.tool_call_kv_ttl_s if creq.tools and choice not in (None, "none") else 0.0
         if choice is None or choice == "none":
             return
-        tools = creq.tools or []
+        tools = callable_tools if callable_tools is not None else creq.tools or []
         if choice == "auto":
             if not config.enable_auto_tool_choice:
                 raise APIError(400, 'tool_choice "auto" (the default when tools are sent) needs the server started '
