@@ -276,8 +276,33 @@ def test_trace_hash_ids_become_shared_prompt_blocks(tmp_path, tok):
     shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
     assert shared >= 30  # two 16-token blocks, give or take a merge at the seam
     assert a[:4] != c[:4]
-    assert [r.arrival_s for r in reqs] == [0.0, 50.0, 90.0]
+    assert [r.arrival_s for r in reqs] == [0.0, 0.05, 0.09]  # Mooncake's timestamps are milliseconds
     assert abs(len(a) - 40) <= 2 and abs(len(b) - 35) <= 2 and abs(len(c) - 20) <= 2
+
+
+def test_a_mooncake_trace_of_300_requests_replays_with_its_timestamps(tmp_path, tok):
+    import random
+
+    rng = random.Random(0)
+    rows, t = [], 0
+    for i in range(300):
+        t += rng.randint(0, 20)  # milliseconds apart, as Mooncake's timestamps are
+        shared = [rng.randint(0, 3)] + ([rng.randint(10, 12)] if i % 2 else [])  # a few common prefixes
+        rows.append({"timestamp": t, "input_length": 16 * len(shared) + 8, "output_length": 2,
+                     "hash_ids": [*shared, 1000 + i]})
+    trace = tmp_path / "mooncake.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reqs = load_dataset(DatasetConfig(name="trace", num_prompts=300, path=str(trace), trace_hash_block_size=16,
+                                      trace_speedup=1.0), tok)  # rows with hash_ids: Mooncake's, timestamp in ms
+    assert len(reqs) == 300 and [r.arrival_s for r in reqs] == sorted(r.arrival_s for r in reqs)
+    firsts = {r.prompt[:20] for r in reqs}
+    assert len(firsts) <= 4  # the first block is one of 4 shared ones
+    with FakeServer("--itl-ms", "1") as srv:
+        res = _run(srv.url, reqs)
+    assert res["completed"] == 300
+    sends = sorted(q["send_s"] for q in res["requests"])
+    span = rows[-1]["timestamp"] / 1000.0
+    assert sends[-1] - sends[0] == pytest.approx(span, abs=0.25)
 
 
 def _agentic(tok, **kw):

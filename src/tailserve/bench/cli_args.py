@@ -56,6 +56,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--trace-speedup", type=float, default=1.0, help="trace replay: >1 replays faster")
     d.add_argument("--trace-hash-block-size", type=int, default=512,
                    help="trace replay: prompt tokens per entry of a row's hash_ids (Mooncake's traces: 512)")
+    d.add_argument("--trace-timestamp-unit", default="auto", choices=["auto", "s", "ms"],
+                   help="trace replay: the unit of 'timestamp' (auto: ms for Mooncake's rows with hash_ids, else s)")
     d.add_argument("--agentic-num-turns", type=int, default=6, help="agentic: requests per session")
     d.add_argument("--agentic-num-tools", type=int, default=50, help="agentic: tools in the shared catalogue (<= 60)")
     d.add_argument("--agentic-tool-result-len", type=int, default=200,

@@ -76,6 +76,7 @@ class DatasetConfig:
     num_turns: int = 3  # multi_turn
     trace_speedup: float = 1.0  # trace: 2.0 replays twice as fast
     trace_hash_block_size: int = 512  # trace: prompt tokens per hash id (Mooncake's)
+    trace_timestamp_unit: str = "auto"  # trace: "s", "ms", or auto (ms for Mooncake's rows with hash_ids)
     agentic: AgenticConfig = field(default_factory=AgenticConfig)
 
     def __post_init__(self) -> None:
@@ -94,6 +95,8 @@ class DatasetConfig:
         if self.num_prefixes < 1 or self.num_turns < 1 or self.trace_speedup <= 0 or self.trace_hash_block_size < 1:
             raise ConfigError("--prefix-repetition-num-prefixes, --multi-turn-num-turns and --trace-hash-block-size "
                               "must be >= 1, --trace-speedup > 0")
+        if self.trace_timestamp_unit not in ("auto", "s", "ms"):
+            raise ConfigError("--trace-timestamp-unit must be auto, s or ms")
         a = self.agentic
         if a.num_turns < 1 or a.num_tools < 1 or a.tool_result_len < 1 or a.system_len < 1 or a.think_time_s < 0:
             raise ConfigError("--agentic-num-turns, --agentic-num-tools, --agentic-tool-result-len and "
@@ -250,8 +253,15 @@ def _trace(cfg: DatasetConfig, tok: Tokenizer, rng: random.Random) -> list[Bench
         return None
 
     parsed = []
+    # Mooncake's traces (rows with hash_ids) give ``timestamp`` in milliseconds; others here
+    # in seconds, unless --trace-timestamp-unit says.
+    unit = cfg.trace_timestamp_unit
+    if unit == "auto":
+        unit = "ms" if any("hash_ids" in row for row in rows) else "s"
     for i, row in enumerate(rows, 1):
         ts = get(row, "timestamp", "arrival_s", "time")
+        if ts is not None and unit == "ms" and "arrival_s" not in row:
+            ts /= 1e3
         if ts is None and (ms := get(row, "timestamp_ms")) is not None:
             ts = ms / 1e3
         n_in, n_out = get(row, "input_length", "input_len"), get(row, "output_length", "output_len")

@@ -117,13 +117,22 @@ def _tool_turn(r: RequestRecord, result: str, tool_name: str, turn: int) -> list
     as a ``tool`` message answering each call the model made (the same result for each), or
     as a ``user`` message naming the tool when it made none (a tool message must answer a call)."""
     answer: dict[str, Any] = {"role": "assistant", "content": r.text or None}
-    if not r.tool_calls:
+    complete = [c for c in r.tool_calls if c["name"] and _is_json(c["arguments"])]  # max_tokens may cut one
+    if not complete:
         answer["content"] = r.text
         return [answer, {"role": "user", "content": f"Result of {tool_name}:\n{result}"}]
     calls = [{"id": c["id"] or f"call_{turn}_{i}", "type": "function",
-              "function": {"name": c["name"], "arguments": c["arguments"]}} for i, c in enumerate(r.tool_calls)]
+              "function": {"name": c["name"], "arguments": c["arguments"]}} for i, c in enumerate(complete)]
     answer["tool_calls"] = calls
     return [answer, *({"role": "tool", "tool_call_id": c["id"], "content": result} for c in calls)]
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 async def run_load(cfg: LoadConfig, requests: list[BenchRequest], tokenizer: Tokenizer | None = None,

@@ -108,6 +108,7 @@ def _dataset_config(args: argparse.Namespace, num_prompts: int) -> DatasetConfig
                          num_prefixes=args.prefix_repetition_num_prefixes,
                          suffix_len=args.prefix_repetition_suffix_len, num_turns=args.multi_turn_num_turns,
                          trace_speedup=args.trace_speedup, trace_hash_block_size=args.trace_hash_block_size,
+                         trace_timestamp_unit=args.trace_timestamp_unit,
                          agentic=AgenticConfig(num_turns=args.agentic_num_turns, num_tools=args.agentic_num_tools,
                                                tool_result_len=args.agentic_tool_result_len,
                                                think_time_s=args.agentic_think_time,
