@@ -116,11 +116,11 @@ def _tool_turn(r: RequestRecord, result: str, tool_name: str, turn: int) -> list
     """The messages an agent appends after an answer: the answer itself and the tool's result,
     as a ``tool`` message answering each call the model made (the same result for each), or
     as a ``user`` message naming the tool when it made none (a tool message must answer a call)."""
-    answer: dict[str, Any] = {"role": "assistant", "content": r.text or None}
     complete = [c for c in r.tool_calls if c["name"] and _is_json(c["arguments"])]  # max_tokens may cut one
     if not complete:
-        answer["content"] = r.text
-        return [answer, {"role": "user", "content": f"Result of {tool_name}:\n{result}"}]
+        return [{"role": "assistant", "content": r.text},
+                {"role": "user", "content": f"Result of {tool_name}:\n{result}"}]
+    answer: dict[str, Any] = {"role": "assistant", "content": r.text or None}
     calls = [{"id": c["id"] or f"call_{turn}_{i}", "type": "function",
               "function": {"name": c["name"], "arguments": c["arguments"]}} for i, c in enumerate(complete)]
     answer["tool_calls"] = calls

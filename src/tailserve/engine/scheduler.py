@@ -80,6 +80,7 @@ class Scheduler:
         self.num_fork_copied_blocks = 0  # blocks copied on write at a fork
         # Finished requests whose blocks are pinned (``_pin``): id -> (block ids, expiry).
         self._kv_pins: dict[str, tuple[list[int], float]] = {}
+        self._pin_refs: Counter[int] = Counter()  # per block: how many entries of _kv_pins hold it
         # Speculative decoding (None: off). Every request takes the controller's k, seeded ones
         # too: their tokens are their races' winners whatever k is (sample/sampler.py).
         self.speculation = speculation
@@ -153,19 +154,31 @@ class Scheduler:
         tool call): its cached blocks are the last to be evicted for ``kv_pin_s`` seconds,
         unless ``unpin`` says the answer was final."""
         now = self.pool.clock()
-        for rid in [r for r, (_, until) in self._kv_pins.items() if until <= now]:
-            del self._kv_pins[rid]  # expired: the pool let them go already
+        # Pins are kept in the order they were made; with one TTL per server that is expiry order.
+        while self._kv_pins:
+            rid, (_, until) = next(iter(self._kv_pins.items()))
+            if until > now:
+                break
+            self._drop_pin(rid)  # expired: the pool let its blocks go already
         pinned = self.pool.pin(req.block_ids, req.kv_pin_s)
         if pinned:  # the cached ones (a last partial block has nothing to keep, and is reused at once)
             self._kv_pins[req.request_id] = (pinned, now + req.kv_pin_s)
+            self._pin_refs.update(pinned)
+
+    def _drop_pin(self, request_id: str) -> list[int]:
+        """Forget a request's pin; returns its blocks that no other live pin holds."""
+        blocks, _ = self._kv_pins.pop(request_id)
+        self._pin_refs.subtract(blocks)
+        alone = [b for b in blocks if self._pin_refs[b] <= 0]
+        for b in alone:
+            del self._pin_refs[b]
+        return alone
 
     def unpin(self, request_id: str) -> None:
-        """End a finished request's pin (its answer was not a tool call)."""
-        pinned = self._kv_pins.pop(request_id, None)
-        if pinned is not None:
-            # Blocks another pin holds too (a shared system prompt) stay pinned for it.
-            others = {b for blocks, _ in self._kv_pins.values() for b in blocks}
-            self.pool.unpin([b for b in pinned[0] if b not in others])
+        """End a finished request's pin (its answer was not a tool call). Blocks another pin
+        holds too (a shared system prompt) stay pinned for it."""
+        if request_id in self._kv_pins:
+            self.pool.unpin(self._drop_pin(request_id))
 
     def _release(self, req: Request) -> None:
         if req.fork_children:
