@@ -225,14 +225,12 @@ class Server:
         pruned = None
         render_tools = creq.tools
         if creq.tools and pruning.mode != "off":
-            if pruning.mode == "mask" and creq.tool_choice == "auto":
-                raise APIError(400, 'tool pruning "mask" limits calls through the call grammar, which tool_choice '
-                                    '"auto" does not use (its output is parsed); use "prune", or tool_choice '
-                                    '"required" or a named function', "tool_pruning")
             pruned = self.tool_ranker.select(creq.tools, creq.messages, pruning, creq.forced_function)
             kept = [creq.tools[i] for i in pruned.kept]
             render_tools = kept if pruning.mode == "prune" else creq.tools
-            tools = ToolMode(creq, self.tool_calling, kept)
+            compiler = self.engine.grammar_compiler
+            masked = pruning.mode == "mask" and pruned.dropped > 0 and compiler is not None
+            tools = ToolMode(creq, self.tool_calling, kept, constrain_auto=compiler.token_ref if masked else None)
         else:
             tools = ToolMode(creq, self.tool_calling)
         with_structured_outputs(greq, tools.structured, tools.skip_special_tokens)

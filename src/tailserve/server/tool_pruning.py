@@ -7,8 +7,8 @@ prefix cache, though, and can cost more than it saves. Two cache-aware modes:
 - ``prune``: only the kept tools are rendered, always in the catalogue's order, so two turns
   that keep the same set share their prefix;
 - ``mask``: the whole catalogue stays in the prompt (its prefix stays stable across turns) and
-  the call grammar allows only the kept tools (so it needs a constrained ``tool_choice``:
-  ``"required"`` or a named function; ``"auto"`` output is parsed, not constrained).
+  the call grammar allows only the kept tools: the forced call's schema under ``"required"``
+  or a named function, the tool-call parser's grammar under ``"auto"`` (prose stays free).
 
 Relevance is BM25 (the ``bm25s`` package: a well-kept, numpy-only implementation, fast enough
 to index a catalogue per request; the index of a catalogue is kept for the next turn) of each

@@ -5,7 +5,9 @@ constraint (forced calls) or a parser (``auto``), and each choice's text becomes
 - ``"none"``, or tools without ``tool_choice`` on a server without auto tool choice: no
   tool handling (``"none"``: the template still sees the tools, as vLLM renders them);
 - ``"auto"``: needs ``--enable-auto-tool-choice --tool-call-parser NAME``; the parser reads
-  what the model wrote, and content comes back when it wrote no call;
+  what the model wrote, and content comes back when it wrote no call; under tool pruning's
+  ``mask`` the output is also generated under the parser's call grammar, so prose stays free
+  and a call can name only a kept tool;
 - ``"required"`` / a named function: the output is generated under the calls' JSON schema
   (enforced, so the arguments always validate), whichever parser the server has.
 """
@@ -20,6 +22,7 @@ from tailserve.server.protocol import APIError, ChatRequest
 from tailserve.server.tool_pruning import ToolPruning
 from tailserve.structured.tool_parsers import (
     ForcedCalls,
+    TokenRef,
     ToolCall,
     ToolCallDelta,
     ToolParser,
@@ -55,8 +58,11 @@ class ToolMode:
     ``parser`` (``auto``), or neither (plain content)."""
 
     def __init__(self, creq: ChatRequest, config: ToolCallingConfig,
-                 callable_tools: list[dict] | None = None) -> None:
-        """``callable_tools``: the tools a call may name (tool pruning's kept ones; default all)."""
+                 callable_tools: list[dict] | None = None, constrain_auto: TokenRef | None = None) -> None:
+        """``callable_tools``: the tools a call may name (tool pruning's kept ones; default all).
+        ``constrain_auto``: constrain ``"auto"`` too, writing markers through this token
+        reference (``mask``: the prompt shows more tools than a call may name, so only the
+        grammar keeps the call to the kept ones)."""
         self.forced: ForcedCalls | None = None
         self.parser: ToolParser | None = None
         self.structured: StructuredOutputsParams | None = None
@@ -74,6 +80,18 @@ class ToolMode:
                                     "with --enable-auto-tool-choice --tool-call-parser NAME; or send tool_choice "
                                     '"required", a named function, or "none"', "tool_choice")
             self.parser = get_tool_parser(config.tool_call_parser or "")
+            if constrain_auto is not None:
+                grammar = self.parser.call_grammar(tools, self.parallel, constrain_auto)
+                if grammar is None:
+                    raise APIError(400, f'tool pruning "mask" under tool_choice "auto" needs a call grammar for the '
+                                        f"server's --tool-call-parser {self.parser.name}, which this tokenizer "
+                                        f"cannot have (its call marker is not a token here); use \"prune\", or "
+                                        f'tool_choice "required" or a named function', "tool_pruning")
+                if creq.greq.params.structured_outputs is not None:
+                    raise APIError(400, 'tool pruning "mask" under tool_choice "auto" constrains the output to the '
+                                        "tool-call grammar; it cannot be combined with response_format or "
+                                        "structured_outputs", "tool_pruning")
+                self.structured = StructuredOutputsParams(grammar=grammar, param="tools")
             return
         name = creq.forced_function
         self.forced = ForcedCalls(name)

@@ -81,6 +81,14 @@ class GrammarCompiler:
                                               f"{_one_line(str(e))}", "structured_outputs") from None
             return self._tokenizer
 
+    def token_ref(self, text: str) -> str | None:
+        """``text`` as a grammar reference to one special token (``<[id]>``), when this
+        tokenizer has it as one; None when it is ordinary text (then a grammar spells it out).
+        A tool-call marker such as Qwen's ``<tool_call>`` is an added token: grammar text
+        cannot produce it, only a token reference can."""
+        ids = self.tokenizer.tokenize_str(text)
+        return f"<[{ids[0]}]>" if len(ids) == 1 and self.tokenizer.is_special_token(ids[0]) else None
+
     @staticmethod
     def grammar_text(spec: StructuredOutputsParams) -> str:
         """The llguidance grammar for ``spec`` (not yet validated)."""

@@ -14,6 +14,11 @@ Two routes, as vLLM has them:
   optional ``<|python_tag|>``), ``mistral`` (``[TOOL_CALLS]`` then a JSON array, or
   ``name[ARGS]{...}`` in the v11 tokenizers). Text the parser cannot read as calls stays
   content: nothing is dropped.
+- **Auto, constrained** (tool pruning's ``mask`` under ``auto``): the parser's own markup as a
+  grammar (``ToolParser.call_grammar``): free text with no call marker in it, or text up to
+  the marker and then calls whose JSON names only the allowed tools. The model may still
+  answer in prose; what it cannot do is call a tool outside the set. All three parsers
+  have one (Mistral's only where ``[TOOL_CALLS]`` is a token, as in every Mistral tokenizer).
 
 Streaming never lets markup into ``delta.content``: text that could be the start of a
 call marker is held back until it is known not to be one, and a call is sent (id and name
@@ -26,8 +31,12 @@ import json
 import re
 import secrets
 import string
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+# A marker's text -> a grammar reference to the one special token it is, or None (plain text).
+TokenRef = Callable[[str], str | None]
 
 
 @dataclass(frozen=True)
@@ -134,6 +143,23 @@ class ToolParser:
     def stream(self) -> ToolCallStream:
         return ToolCallStream(self)
 
+    def call_grammar(self, tools: list[dict[str, Any]], parallel: bool, token_ref: TokenRef) -> str | None:
+        """An llguidance Lark grammar for this markup, prose or calls that name only ``tools``
+        (None: this parser cannot have one with this tokenizer). ``token_ref`` writes a
+        marker as a special-token reference where the tokenizer has it as one."""
+        return None
+
+
+# Whitespace between the markup's parts is bounded, and the calls' JSON is written the way the
+# chat templates render calls (``tojson``: ", " and ": "): a model that kept writing spaces
+# would otherwise never reach the end of its call.
+_WS = "/\\s{0,4}/"
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _lark_json(schema: dict[str, Any]) -> str:
+    return "%json " + json.dumps({**schema, "x-guidance": _JSON_LAYOUT}, separators=(",", ":"))
+
 
 class HermesToolParser(ToolParser):
     name = "hermes"
@@ -168,6 +194,20 @@ class HermesToolParser(ToolParser):
 
     def complete_calls(self, region: str) -> list[ToolCall]:
         return self._blocks(region, complete_only=True)
+
+    def call_grammar(self, tools: list[dict[str, Any]], parallel: bool, token_ref: TokenRef) -> str | None:
+        more = " more*" if parallel else ""
+        close = token_ref("</tool_call>") or '"</tool_call>"'
+        open_ = token_ref(self.marker)
+        if open_ is not None:  # Qwen: the markers are tokens, which TEXT's regex can never produce
+            head = [f"start: TEXT | TEXT {open_} call{more} {_WS}", "TEXT: /(.|\\n)*/", f"more: {_WS} {open_} call"]
+        else:
+            # TEXT: a whole answer with no marker in it. Else the text up to the marker (a stop:
+            # the marker ends it, generated but not part of it), then the call.
+            head = [f"start: TEXT | text call{more} {_WS}", "TEXT: /(.|\\n)*/ & ~/(.|\\n)*<tool_call>(.|\\n)*/",
+                    "text[stop=/<tool_call>/]: /(.|\\n)*/", f'more: {_WS} "<tool_call>" call']
+        return "\n".join((*head, f"call: {_WS} call_json {_WS} {close}",
+                          "call_json: " + _lark_json(call_object_schema(tools, "arguments"))))
 
 
 def _json_sequence(text: str, separator: str) -> list[Any] | None:
@@ -224,6 +264,17 @@ class Llama3JsonToolParser(ToolParser):
     def stream(self) -> ToolCallStream:
         return ToolCallStream(self, only_at_start=True)
 
+    def call_grammar(self, tools: list[dict[str, Any]], parallel: bool, token_ref: TokenRef) -> str | None:
+        # Calls are the whole output (Meta's JSON format names the arguments "parameters"),
+        # after the python tag where the tokenizer has it; TEXT is any answer that does not
+        # open with a JSON object.
+        tag = token_ref(self.marker)
+        more = " (/\\s{0,4};\\s{0,4}/ call_json)*" if parallel else ""
+        return "\n".join((
+            f"start: TEXT | {_WS} {tag + '? ' if tag else ''}call_json{more} {_WS}",
+            "TEXT: /(.|\\n)*/ & ~/\\s*\\{(.|\\n)*/",
+            "call_json: " + _lark_json(call_object_schema(tools, "parameters"))))
+
 
 class MistralToolParser(ToolParser):
     name = "mistral"
@@ -251,6 +302,24 @@ class MistralToolParser(ToolParser):
                 return []
             calls.append(ToolCall(name.strip(), text, self.new_id()))
         return calls
+
+    def call_grammar(self, tools: list[dict[str, Any]], parallel: bool, token_ref: TokenRef) -> str | None:
+        # [TOOL_CALLS] is a control token in every Mistral tokenizer; a grammar cannot write it
+        # as text. Tokenizers with [ARGS] (v11) write name[ARGS]{...} per call, the older ones
+        # one JSON array of {"name", "arguments"}.
+        calls, args = token_ref(self.marker), token_ref("[ARGS]")
+        if calls is None:
+            return None
+        if args is None:
+            body = [f"start: TEXT | TEXT {calls} {_WS} calls_json",
+                    "calls_json: " + _lark_json(forced_call_schema(tools, None, parallel))]
+        else:
+            more = f" ({calls} call)*" if parallel else ""
+            branches = " | ".join(f"call_{i}" for i in range(len(tools)))
+            body = [f"start: TEXT | TEXT {calls} call{more}", f"call: {branches}",
+                    *(f"call_{i}: {json.dumps(t['function']['name'])} {args} {_lark_json(function_parameters(t))}"
+                      for i, t in enumerate(tools))]
+        return "\n".join((*body, "TEXT: /(.|\\n)*/"))
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser,
@@ -324,16 +393,22 @@ def function_parameters(tool: dict[str, Any]) -> dict[str, Any]:
     return params if isinstance(params, dict) and params else {"type": "object", "properties": {}}
 
 
+def call_object_schema(tools: list[dict[str, Any]], arguments_key: str = "arguments") -> dict[str, Any]:
+    """The JSON schema of one call to any of ``tools``: ``{"name", arguments_key}``, one
+    ``anyOf`` branch per tool, so the arguments always match the named tool's parameters."""
+    branches = [{"type": "object", "additionalProperties": False, "required": ["name", arguments_key],
+                 "properties": {"name": {"const": t["function"]["name"]}, arguments_key: function_parameters(t)}}
+                for t in tools]
+    return branches[0] if len(branches) == 1 else {"anyOf": branches}
+
+
 def forced_call_schema(tools: list[dict[str, Any]], name: str | None, parallel: bool) -> dict[str, Any]:
     """The JSON schema a forced output is generated under: the named function's parameters,
     or for ``"required"`` an array (of one call unless ``parallel``) of calls to any tool."""
     if name is not None:
         tool = next(t for t in tools if t["function"]["name"] == name)
         return function_parameters(tool)
-    branches = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                 "properties": {"name": {"const": t["function"]["name"]}, "arguments": function_parameters(t)}}
-                for t in tools]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": call_object_schema(tools)}
     if not parallel:
         schema["maxItems"] = 1
     return schema
