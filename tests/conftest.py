@@ -131,13 +131,13 @@ def llama_checkpoint(tiny_checkpoint):
 def tiny_server(llama_checkpoint):
     """One ``tailserve serve`` of the tiny Llama for the whole session (no warm-up), shared by
     the HTTP and fuzz tests whose flags agree: names "tiny" (reported) and "fuzz", gateway
-    metrics, a 256 KiB body limit."""
+    metrics, vLLM's per-request metrics, a 256 KiB body limit."""
     from tailserve.bench.local_server import LocalServer
 
     path, _ = llama_checkpoint
     with LocalServer(["--model", str(path), "--dtype", "float32", "--no-warmup", "--kv-cache-memory", "8MiB",
                       "--max-request-body", "256KiB", "--served-model-name", "tiny", "fuzz",
-                      "--gateway-metrics"]) as srv:
+                      "--gateway-metrics", "--enable-per-request-metrics"]) as srv:
         yield srv
 
 

@@ -4,12 +4,16 @@ known delays, so the load generator's measurements can be checked against them.
     python tests/fake_openai_server.py --port P [--queue-ms 5] [--prefill-ms 20] [--itl-ms 10]
         [--wire-delay-ms 200 --wire-every 20]   # every 20th request waits before the server "sees" it
         [--queue-extra-ms 300 --queue-every 20]  # ... or waits (and reports it) in the queue
-        [--no-timing] [--fail-every N] [--malformed-every N] [--disconnect-every N]
+        [--itl-extra-ms 40 --itl-every 20]       # ... or generates each token that much slower
+        [--timing-format tailserve|vllm|none]    # the per-request figures it reports (--no-timing: none)
+        [--fail-every N] [--malformed-every N] [--disconnect-every N]
         [--capacity N]   # at most N requests generate at once; the rest wait, reported as queue
 
 Request k (counted from 0 in arrival order) gets the periodic faults when k % N == N - 1.
 The wire delay is slept before the server stamps the request's arrival and is not in its
-reported timing: to the client it looks exactly like time on the network.
+reported timing: to the client it looks exactly like time on the network. ``vllm`` reports
+as vLLM >= 0.25 does under ``--enable-per-request-metrics``: a ``metrics`` object in the final
+usage chunk (queue, TTFT from scheduling, generation time, mean ITL, tokens/s), no ``timing``.
 """
 
 from __future__ import annotations
@@ -63,9 +67,10 @@ def build(args: argparse.Namespace) -> Starlette:
             scheduled = time.perf_counter()
             await asyncio.sleep(args.prefill_ms / 1e3)
             first = last = None
+            itl_s = (args.itl_ms + (args.itl_extra_ms if hit(k, args.itl_every) else 0.0)) / 1e3
             for i in range(n):
                 if i:
-                    await asyncio.sleep(args.itl_ms / 1e3)
+                    await asyncio.sleep(itl_s)
                 last = time.perf_counter()
                 first = first or last
                 if hit(k, args.malformed_every) and i == 1:
@@ -80,13 +85,20 @@ def build(args: argparse.Namespace) -> Starlette:
             final = ({"index": 0, "delta": {}, "finish_reason": "length"} if chat
                      else {"index": 0, "text": "", "finish_reason": "length"})
             chunk = {"id": rid, "choices": [final]}
-            if not args.no_timing:
+            if args.timing_format == "tailserve":
                 chunk["timing"] = {"queue_ms": (scheduled - arrival) * 1e3, "prefill_ms": (first - scheduled) * 1e3,
                                    "ttft_ms": (first - arrival) * 1e3, "decode_ms": (last - first) * 1e3,
                                    "e2e_ms": (last - arrival) * 1e3, "preemptions": 0, "cached_tokens": 0}
             yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
-            yield b"data: " + json.dumps({"id": rid, "choices": [], "usage": {
-                "prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n}}).encode() + b"\n\n"
+            usage = {"id": rid, "choices": [], "usage": {"prompt_tokens": 8, "completion_tokens": n,
+                                                          "total_tokens": 8 + n}}
+            if args.timing_format == "vllm":
+                usage["metrics"] = {
+                    "time_to_first_token_ms": (first - scheduled) * 1e3, "generation_time_ms": (last - first) * 1e3,
+                    "queue_time_ms": (scheduled - arrival) * 1e3,
+                    "mean_itl_ms": (last - first) * 1e3 / (n - 1) if n > 1 else None,
+                    "tokens_per_second": n / (last - scheduled)}
+            yield b"data: " + json.dumps(usage).encode() + b"\n\n"
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers={"X-Request-Id": rid})
@@ -106,12 +118,13 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, required=True)
     for name, default in (("queue-ms", 0.0), ("prefill-ms", 0.0), ("itl-ms", 0.0), ("wire-delay-ms", 0.0),
-                          ("queue-extra-ms", 0.0)):
+                          ("queue-extra-ms", 0.0), ("itl-extra-ms", 0.0)):
         p.add_argument(f"--{name}", type=float, default=default)
-    for name in ("wire-every", "queue-every", "fail-every", "malformed-every", "disconnect-every"):
+    for name in ("wire-every", "queue-every", "itl-every", "fail-every", "malformed-every", "disconnect-every"):
         p.add_argument(f"--{name}", type=int, default=0)
     p.add_argument("--capacity", type=int, default=0)
-    p.add_argument("--no-timing", action="store_true")
+    p.add_argument("--timing-format", choices=("tailserve", "vllm", "none"), default="tailserve")
+    p.add_argument("--no-timing", dest="timing_format", action="store_const", const="none")
     args = p.parse_args()
     uvicorn.run(build(args), host="127.0.0.1", port=args.port, log_level="warning", http="h11")
 

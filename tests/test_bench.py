@@ -116,12 +116,37 @@ def test_queue_delay_on_five_percent_of_requests_is_named_queue():
     assert "queueing" in a["verdict"]
 
 
-def test_server_without_timings_is_not_attributable():
+def test_server_without_timings_is_not_attributable_and_says_which_flag_would_make_it():
     with FakeServer("--itl-ms", "2", "--no-timing") as srv:
         res = _run(srv.url, _requests(10), request_rate=math.inf)
     assert res["completed"] == 10
-    assert res["attribution"] == {"attributable": False, "num_joined": 0, "num_successful": 10,
-                                  "verdict": "not attributable: the server reports no per-request timings"}
+    a = res["attribution"]
+    assert (a["attributable"], a["num_joined"], a["num_successful"]) == (False, 0, 10)
+    assert a["verdict"].startswith("not attributable: the server reports no per-request timings")
+    assert "--enable-per-request-metrics" in a["verdict"]
+
+
+# -- a vLLM-style server (--enable-per-request-metrics): its metrics object joined ---------------
+VLLM = ("--timing-format", "vllm", "--prefill-ms", "10", "--itl-ms", "5")
+
+
+@pytest.mark.parametrize("faults, phase, words", [
+    (("--wire-delay-ms", "200", "--wire-every", "20"), "network", "network"),
+    (("--queue-extra-ms", "250", "--queue-every", "20"), "queue", "queueing"),
+    (("--itl-extra-ms", "60", "--itl-every", "20"), "decode", "decode"),
+])
+def test_vllm_per_request_metrics_are_joined_and_name_the_phase_a_delay_was_in(faults, phase, words):
+    with FakeServer(*VLLM, *faults) as srv:
+        res = _run(srv.url, _requests(60, out=6), request_rate=30.0, seed=4)
+    a = res["attribution"]
+    assert a["attributable"] and a["source"] == "vllm" and a["sources"] == {"vllm": 60}, a
+    assert a["dominant"] == phase and a["share"][phase] > 0.8, a
+    assert words in a["verdict"]
+    # The server's phases as vLLM reported them: queue ~0, TTFT-from-scheduling = prefill 10 ms,
+    # generation = 5 gaps of 5 ms; the client's E2EL minus their sum is the network share.
+    ph = a["median_phase_ms"]
+    assert ph["queue"] < 3 and 9 <= ph["prefill"] <= 16 and 24 <= ph["decode"] <= 40, ph
+    assert ph["network"] < 12, ph
 
 
 def test_errors_are_counted_by_kind_and_do_not_stop_the_run():

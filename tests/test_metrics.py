@@ -179,3 +179,22 @@ def test_the_timing_wire_format_round_trips_in_both_forms():
     assert WireTiming.from_header("queue;dur=1, prefill;dur=bad, decode;dur=2") is None  # no usable prefill
     only = WireTiming.from_header("queue;dur=1, prefill;dur=2, decode;dur=3")
     assert only is not None and abs(only.e2e_s - 0.006) < 1e-12 and abs(only.ttft_s - 0.003) < 1e-12
+
+
+def test_vllms_metrics_object_has_its_meanings_and_round_trips():
+    """vLLM's per-request metrics (queued 1.0, scheduled 1.5, first token 2.0, last token 3.0,
+    10 tokens: vLLM's own example) written and read back by metrics/wire.py."""
+    from tailserve.metrics.wire import WireTiming
+
+    # queue 0.5 s, prefill (first token - scheduled) 0.5 s, decode 1.0 s, TTFT from arrival 1.0 s.
+    w = WireTiming(0.5, 0.5, 1.0, 1.0, 2.0, output_tokens=10)
+    m = w.to_vllm_metrics()
+    assert m == pytest.approx({"time_to_first_token_ms": 500.0, "generation_time_ms": 1000.0,
+                               "queue_time_ms": 500.0, "mean_itl_ms": 1000.0 / 9, "tokens_per_second": 10 / 1.5})
+    back = WireTiming.from_vllm_metrics(m)
+    assert back is not None and (back.queue_s, back.prefill_s, back.ttft_s, back.decode_s, back.e2e_s) == \
+        pytest.approx((0.5, 0.5, 1.0, 1.0, 2.0))
+    assert WireTiming(0.1, 0.1, 0.2, 0.0, 0.2, output_tokens=1).to_vllm_metrics()["mean_itl_ms"] is None
+    # vLLM sends every field null when its engine kept no timestamps: not a timing.
+    assert WireTiming.from_vllm_metrics(dict.fromkeys(m)) is None
+    assert WireTiming.from_vllm_metrics({}) is None

@@ -308,6 +308,46 @@ def test_gateway_metrics_mirror_the_load_gauges_under_vllm_names(server):
     text = httpx.get(server.url + "/metrics").text
     info = [line for line in text.splitlines() if line.startswith("vllm:cache_config_info{")]
     assert len(info) == 1 and 'block_size="16"' in info[0] and 'num_gpu_blocks="' in info[0]
+    # The request-phase histograms under vLLM's names: the same counts and sums as tailserve's,
+    # bucket by bucket, and buckets fine enough for a sub-100 ms SLO.
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line and not line.startswith("#")}
+    from tailserve.metrics.prometheus import GATEWAY_HISTOGRAMS
+
+    for name in GATEWAY_HISTOGRAMS:
+        mirrored = {k.replace(name, "", 1): v for k, v in samples.items() if k.startswith(name + "_")}
+        own = {k.replace("tailserve:" + name[5:], "", 1): v for k, v in samples.items()
+               if k.startswith("tailserve:" + name[5:] + "_") and "_created{" not in k}
+        assert mirrored and mirrored == own, name
+    assert samples['vllm:e2e_request_latency_seconds_count{model_name="tiny"}'] >= 3
+    assert sum(1 for k in samples if k.startswith("vllm:time_to_first_token_seconds_bucket")
+               and float(k.split('le="')[1].split('"')[0]) < 0.1) >= 10
+
+
+def test_per_request_metrics_in_vllms_shape_beside_timing(server):
+    """--enable-per-request-metrics: vLLM's metrics object in the body, and in the final usage
+    chunk when streaming, with vLLM's meanings (TTFT from scheduling = tailserve's prefill)."""
+    body = {"model": "tiny", "prompt": "def f(", "max_tokens": 6, "ignore_eos": True}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    m, t = r["metrics"], r["timing"]
+    assert set(m) == {"time_to_first_token_ms", "generation_time_ms", "queue_time_ms", "mean_itl_ms",
+                      "tokens_per_second"}
+    assert m["queue_time_ms"] == pytest.approx(t["queue_ms"]) and m["time_to_first_token_ms"] == \
+        pytest.approx(t["prefill_ms"]) and m["generation_time_ms"] == pytest.approx(t["decode_ms"])
+    assert m["mean_itl_ms"] == pytest.approx(t["decode_ms"] / 5)
+    assert m["tokens_per_second"] == pytest.approx(6 / ((t["prefill_ms"] + t["decode_ms"]) / 1e3))
+    events = []
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True}}) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+    with_metrics = [e for e in events if "metrics" in e]
+    assert len(with_metrics) == 1 and with_metrics[0] is events[-1] and "usage" in events[-1]
+    assert with_metrics[0]["metrics"]["generation_time_ms"] >= 0
+    # As vLLM: one prompt and one choice only.
+    assert httpx.post(server.url + "/v1/completions", json={**body, "n": 2}, timeout=60).json()["metrics"] is None
 
 
 def test_gateway_gauges_follow_the_engine(offline, llama_checkpoint):

@@ -194,7 +194,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     aliases = [*names[1:], engine.model_dir.name]
     run_server(engine, host=args.host, port=args.port, http2_port=http2_port, api_key=args.api_key,
                max_body_bytes=parse_bytes(args.max_request_body), max_waiting_requests=args.max_waiting_requests,
-               access_log=args.access_log, model_aliases=aliases, **tools)
+               access_log=args.access_log, model_aliases=aliases,
+               per_request_metrics=args.enable_per_request_metrics, **tools)
     return 0
 
 
@@ -473,6 +474,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also export the load gauges Kubernetes inference gateways read, under vLLM's names "
                           "(vllm:num_requests_waiting, vllm:num_requests_running, vllm:kv_cache_usage_perc, "
                           "vllm:cache_config_info); see docs/scaling.md")
+    srv.add_argument("--enable-per-request-metrics", action="store_true",
+                     help="also answer with vLLM's per-request 'metrics' object (queue_time_ms, "
+                          "time_to_first_token_ms from scheduling, generation_time_ms, mean_itl_ms, "
+                          "tokens_per_second) in the body, or in the final usage chunk when streaming, beside "
+                          "tailserve's 'timing'; as vLLM, only for one prompt and one choice")
     srv.add_argument("--access-log", action="store_true")
     srv.add_argument("--chat-template", default=None, metavar="FILE",
                      help="a Jinja chat template to use instead of the checkpoint's (it sees messages, tools, "

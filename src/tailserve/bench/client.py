@@ -14,9 +14,12 @@ Stamps (``time.perf_counter``, seconds since the run's start):
 Waking late plus ``send_s - slot_s`` is the client's own lag: when it grows, the client is saturated and
 would otherwise inflate the server's latency silently, so it is reported.
 
-The server's own account of the request is taken from the final chunk: tailserve's
-``timing`` (queue, prefill, decode, end-to-end) or llama.cpp's ``timings`` (prompt and
-predicted milliseconds). Servers that send neither leave the request unattributable.
+The server's own account of the request is taken from the final chunks, in whichever form
+the server speaks (``ServerTiming.source`` says which): tailserve's ``timing`` (queue,
+prefill, decode, end-to-end), vLLM's ``metrics`` (``--enable-per-request-metrics``: queue,
+TTFT from scheduling, generation; metrics/wire.py), llama.cpp's ``timings`` (prompt and
+predicted milliseconds), or a W3C ``Server-Timing`` header. Servers that send none leave the
+request unattributable.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ class ServerTiming:
     decode_s: float
     e2e_s: float
     ttft_s: float
-    source: str  # "tailserve" | "llama.cpp" | "server-timing"
+    source: str  # "tailserve" | "vllm" | "llama.cpp" | "server-timing"
     preemptions: int = 0
     cached_tokens: int | None = None
     prefix_cache: dict[str, Any] | None = None  # tailserve's: where the prompt left the prefix cache
@@ -55,6 +58,9 @@ class ServerTiming:
         if w is not None:
             return cls(w.queue_s, w.prefill_s, w.decode_s, w.e2e_s, w.ttft_s, "tailserve", w.preemptions,
                        w.cached_tokens, w.prefix_cache)
+        w = WireTiming.from_vllm_metrics(obj.get("metrics"))  # vLLM's, with --enable-per-request-metrics
+        if w is not None:
+            return cls(w.queue_s, w.prefill_s, w.decode_s, w.e2e_s, w.ttft_s, "vllm")
         t = obj.get("timings")  # llama.cpp's server
         if isinstance(t, dict) and isinstance(t.get("prompt_ms"), (int, float)) and isinstance(
                 t.get("predicted_ms"), (int, float)):
@@ -276,7 +282,9 @@ async def send_request(client: httpx.AsyncClient, spec: RequestSpec, rec: Reques
                     if piece:
                         pieces.append(piece)
                     timing = ServerTiming.from_body(obj)
-                    if timing is not None:
+                    # tailserve's own form is the richest; a tailserve server under
+                    # --enable-per-request-metrics also sends vLLM's, after it.
+                    if timing is not None and (rec.server is None or rec.server.source != "tailserve"):
                         rec.server = timing
                     usage = obj.get("usage")
                     if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):

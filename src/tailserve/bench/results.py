@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import math
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,7 +29,8 @@ from tailserve.metrics.timeline import RequestMetrics
 METRICS = ("ttft", "ttst", "tpot", "itl", "e2el")
 GOODPUT_KEYS = ("ttft", "tpot", "e2el", "ttst")
 SATURATED_SEND_LAG_S = 0.010  # a client whose P99 send lag exceeds this is part of the measurement
-NOT_ATTRIBUTABLE = "not attributable: the server reports no per-request timings"
+NOT_ATTRIBUTABLE = ("not attributable: the server reports no per-request timings (tailserve and llama.cpp's "
+                    "server always do; start vLLM >= 0.25 with --enable-per-request-metrics)")
 
 
 def parse_percentiles(text: str) -> list[float]:
@@ -126,7 +128,8 @@ def join_server_timings(records: Sequence[RequestRecord]) -> list[RequestMetrics
         s = r.server
         out.append(RequestMetrics(
             request_id=r.request_id, num_prompt_tokens=r.server_prompt_tokens or r.prompt_len,
-            num_cached_tokens=s.cached_tokens or 0, num_output_tokens=r.output_tokens, queue_s=s.queue_s,
+            num_cached_tokens=s.cached_tokens if s.cached_tokens is not None else r.cached_tokens or 0,
+            num_output_tokens=r.output_tokens, queue_s=s.queue_s,
             prefill_s=s.prefill_s, ttft_s=s.ttft_s, decode_s=s.decode_s, e2el_s=s.e2e_s, tpot_s=r.tpot_s, itl_s=(),
             num_preemptions=s.preemptions, preempted_s=0.0, client_ttft_s=r.ttft_s, client_e2el_s=r.e2el_s))
     return out
@@ -139,6 +142,7 @@ def attribution(records: Sequence[RequestRecord], send_lag_p99_s: float | None,
     if not joined:
         return {"attributable": False, "verdict": NOT_ATTRIBUTABLE, "num_joined": 0, "num_successful": len(ok)}
     tail = attribute_tail(joined, speculative=speculative)
+    sources = dict(Counter(r.server.source for r in records if r.success and r.server is not None))
     verdict = tail.verdict
     if tail.dominant == "network" and send_lag_p99_s is not None and send_lag_p99_s > SATURATED_SEND_LAG_S:
         verdict += (f" The client itself lagged (P99 send lag {send_lag_p99_s * 1e3:.1f} ms): part of this is the "
@@ -148,7 +152,7 @@ def attribution(records: Sequence[RequestRecord], send_lag_p99_s: float | None,
     net_ttft = [max(0.0, m.client_ttft_s - m.ttft_s) for m in joined if m.client_ttft_s is not None]
     return {
         "attributable": True, "verdict": verdict + coverage, "num_joined": len(joined), "num_successful": len(ok),
-        "source": next(r.server.source for r in records if r.server is not None),
+        "source": max(sources, key=sources.__getitem__), "sources": sources,
         "p50_e2el_ms": tail.p50_s * 1e3, "p99_e2el_ms": tail.p99_s * 1e3, "p99_over_p50": tail.ratio,
         "dominant": tail.dominant, "share": tail.share, "excess_ms": {k: v * 1e3 for k, v in tail.excess_s.items()},
         "tail_count": tail.tail_count, "median_count": tail.median_count,

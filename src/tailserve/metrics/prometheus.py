@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
 from tailserve.metrics.timeline import RequestMetrics, StepStats
 
@@ -74,11 +74,28 @@ GATEWAY_GAUGES = {
 }
 
 
+# The request-phase histograms under vLLM's names (same meanings, seconds), for dashboards and
+# autoscalers built on vLLM's: vLLM name -> the tailserve histogram it mirrors. They keep
+# tailserve's buckets (0.5 ms up, 1.25x apart), fine enough for sub-100 ms SLOs, where vLLM's
+# own request-phase buckets start at 0.3 s; histogram_quantile reads either.
+GATEWAY_HISTOGRAMS = {
+    "vllm:time_to_first_token_seconds": "ttft",
+    "vllm:inter_token_latency_seconds": "itl",
+    "vllm:request_time_per_output_token_seconds": "tpot",
+    "vllm:e2e_request_latency_seconds": "e2el",
+    "vllm:request_queue_time_seconds": "queue",
+    "vllm:request_prefill_time_seconds": "prefill",
+    "vllm:request_decode_time_seconds": "decode",
+    "vllm:request_inference_time_seconds": "inference",
+}
+
+
 class _GatewayCollector:
-    """Mirrors tailserve's load gauges under the vLLM names, read from them at every scrape
-    (no second copy to keep in step), plus ``vllm:cache_config_info`` whose labels give the block size and the
-    number of blocks (the prefix-aware scorer's optional inputs). No LoRA info gauge: tailserve
-    serves no LoRA adapters, and the pickers treat its absence as no adapters."""
+    """Mirrors tailserve's load gauges and request-phase histograms under the vLLM names, read
+    from them at every scrape (no second copy to keep in step, so the counts always agree),
+    plus ``vllm:cache_config_info`` whose labels give the block size and the number of blocks
+    (the prefix-aware scorer's optional inputs). No LoRA info gauge: tailserve serves no LoRA
+    adapters, and the pickers treat its absence as no adapters."""
 
     def __init__(self, metrics: PrometheusMetrics, block_size: int, num_blocks: int,
                  enable_prefix_caching: bool) -> None:
@@ -93,6 +110,21 @@ class _GatewayCollector:
                 for sample in metric.samples:
                     fam.add_metric([sample.labels["model_name"]], sample.value)
             yield fam
+        for name, key in GATEWAY_HISTOGRAMS.items():
+            for metric in getattr(self.metrics, key).collect():
+                hfam = HistogramMetricFamily(name, f"{metric.documentation} (mirrors tailserve:{name[5:]})",
+                                             labels=["model_name"])
+                buckets: dict[str, list[tuple[str, float]]] = {}
+                sums: dict[str, float] = {}
+                for sample in metric.samples:
+                    model = sample.labels["model_name"]
+                    if sample.name.endswith("_bucket"):
+                        buckets.setdefault(model, []).append((sample.labels["le"], sample.value))
+                    elif sample.name.endswith("_sum"):
+                        sums[model] = sample.value
+                for model, bs in buckets.items():
+                    hfam.add_metric([model], bs, sums.get(model, 0.0))
+                yield hfam
         info = GaugeMetricFamily("vllm:cache_config_info", "KV-cache configuration (value 1; see the labels).",
                                  labels=["model_name", *self.cache_labels])
         info.add_metric([self.metrics.model_name, *self.cache_labels.values()], 1.0)

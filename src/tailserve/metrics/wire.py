@@ -1,10 +1,21 @@
 """The per-request server timing on the wire, written by the server and read by the load
 generator from one definition (the key strings live here only).
 
-Two forms: a ``timing`` object in the response body (non-streaming) or in the final streamed
-chunk, in milliseconds, and a W3C ``Server-Timing`` header (``queue;dur=1.234, ...``, also
-milliseconds). ``to_wire`` / ``from_wire`` and ``to_header`` / ``from_header`` are inverse
+Three forms: a ``timing`` object in the response body (non-streaming) or in the final streamed
+chunk, in milliseconds; a W3C ``Server-Timing`` header (``queue;dur=1.234, ...``, also
+milliseconds); and vLLM's per-request ``metrics`` object (``--enable-per-request-metrics``,
+vLLM >= 0.25: in the body, or in the final usage chunk when streaming), which tailserve both
+writes (under the same flag) and reads (from a vLLM server). ``to_wire`` / ``from_wire``,
+``to_header`` / ``from_header`` and ``to_vllm_metrics`` / ``from_vllm_metrics`` are inverse
 pairs; a reader keeps what it can parse and skips a malformed header entry, as browsers do.
+
+vLLM's ``metrics``, from its engine's request timestamps (queued, scheduled, first token,
+last token): ``queue_time_ms`` = scheduled - queued; ``time_to_first_token_ms`` = first token -
+scheduled (from scheduling, not from arrival); ``generation_time_ms`` = last token - first
+token; ``mean_itl_ms`` = generation / (tokens - 1); ``tokens_per_second`` = tokens / (last
+token - scheduled). So the server's end-to-end is queue + TTFT + generation, and its TTFT
+from arrival is queue + TTFT. It does not count what the API server does before the engine
+queues the request (parsing, tokenization), so that lands in the client's share.
 """
 
 from __future__ import annotations
@@ -17,6 +28,8 @@ from tailserve.metrics.timeline import RequestMetrics
 
 # The phases every form carries, in this order in the header.
 HEADER_PHASES = ("queue", "prefill", "ttft", "decode", "e2e")
+# vLLM's metrics object: queue, TTFT from scheduling, generation (milliseconds).
+VLLM_PHASES = ("queue_time_ms", "time_to_first_token_ms", "generation_time_ms")
 
 
 @dataclass(frozen=True)
@@ -77,6 +90,25 @@ class WireTiming:
                    t["e2e_ms"] / 1e3, tpot / 1e3 if _is_num(tpot) else None, _int(t.get("prompt_tokens")),
                    _int(t.get("cached_tokens")), _int(t.get("output_tokens")), _int(t.get("preemptions")) or 0,
                    spec if isinstance(spec, dict) else None, pc if isinstance(pc, dict) else None)
+
+    def to_vllm_metrics(self) -> dict[str, float | None]:
+        """vLLM's ``metrics`` object (same names, same meanings; module docstring)."""
+        n = self.output_tokens or 0
+        active_s = self.prefill_s + self.decode_s
+        return {"time_to_first_token_ms": self.prefill_s * 1e3, "generation_time_ms": self.decode_s * 1e3,
+                "queue_time_ms": self.queue_s * 1e3,
+                "mean_itl_ms": self.decode_s * 1e3 / (n - 1) if n > 1 else None,
+                "tokens_per_second": n / active_s if active_s > 0 else None}
+
+    @classmethod
+    def from_vllm_metrics(cls, m: object) -> WireTiming | None:
+        """vLLM's ``metrics`` object, or None without its three phases (vLLM sends every field
+        as null when the engine kept no timestamps)."""
+        if not isinstance(m, dict) or not all(_is_num(m.get(k)) for k in VLLM_PHASES):
+            return None
+        q, t, g = (m[k] / 1e3 for k in VLLM_PHASES)
+        tpot = m.get("mean_itl_ms")
+        return cls(q, t, q + t, g, q + t + g, tpot / 1e3 if _is_num(tpot) else None)
 
     def to_header(self) -> str:
         secs = (self.queue_s, self.prefill_s, self.ttft_s, self.decode_s, self.e2e_s)

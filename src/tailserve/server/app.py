@@ -62,6 +62,14 @@ def timing_dict(m: RequestMetrics | None) -> dict[str, Any] | None:
     return None if m is None else WireTiming.from_metrics(m).to_wire()
 
 
+def vllm_metrics(outs: Sequence[RequestOutput]) -> dict[str, Any] | None:
+    """vLLM's ``metrics`` object (metrics/wire.py) for a response of one prompt and one
+    choice; None otherwise, as vLLM leaves it."""
+    if len(outs) != 1 or len(outs[0].outputs) != 1 or outs[0].metrics is None:
+        return None
+    return WireTiming.from_metrics(outs[0].metrics).to_vllm_metrics()
+
+
 def server_timing_header(m: RequestMetrics | None) -> str:
     return "" if m is None else WireTiming.from_metrics(m).to_header()
 
@@ -70,8 +78,10 @@ class Server:
     def __init__(self, engine: LLMEngine, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  max_waiting_requests: int = 256, start_engine_thread: bool = True,
                  model_aliases: Sequence[str] = (), chat_template: str | None = None,
-                 tool_calling: ToolCallingConfig | None = None) -> None:
+                 tool_calling: ToolCallingConfig | None = None, per_request_metrics: bool = False) -> None:
         self.engine = engine
+        # --enable-per-request-metrics: vLLM's per-request ``metrics`` object beside ``timing``.
+        self.per_request_metrics = per_request_metrics
         self.async_engine = AsyncEngine(engine, max_waiting_requests, start_thread=start_engine_thread)
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
@@ -275,6 +285,8 @@ class Server:
                           "total_tokens": prompt_tokens + completion_tokens,
                           "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}},
                 "timing": timing_dict(slowest), **(extra or {})}
+        if self.per_request_metrics:
+            body["metrics"] = vllm_metrics(outs)
         if self.engine.config.speculative_synthetic_acceptance is not None:  # LOSSY benchmark mode: labelled
             body["synthetic_acceptance"] = self.engine.config.speculative_synthetic_acceptance
         return JSONResponse(body, headers=self._headers(rid, slowest))
@@ -368,10 +380,13 @@ class Server:
                 p = sum(o.num_prompt_tokens for o in finals)
                 c = 0 if greq.score_only else sum(o.num_output_tokens for o in finals)
                 cached = sum(o.num_cached_tokens for o in finals)
-                yield self._sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                                 "choices": [], "usage": {"prompt_tokens": p, "completion_tokens": c,
-                                                          "total_tokens": p + c,
-                                                          "prompt_tokens_details": {"cached_tokens": cached}}})
+                usage_chunk = {"id": rid, "object": obj, "created": created, "model": self.model_name,
+                               "choices": [], "usage": {"prompt_tokens": p, "completion_tokens": c,
+                                                        "total_tokens": p + c,
+                                                        "prompt_tokens_details": {"cached_tokens": cached}}}
+                if self.per_request_metrics and (m := vllm_metrics(finals)) is not None:
+                    usage_chunk["metrics"] = m  # vLLM: only on the final usage chunk
+                yield self._sse(usage_chunk)
             yield b"data: [DONE]\n\n"
             if tools is not None and tools.kv_pin_s and not called:
                 for sub_id, _, _ in subs:

@@ -49,7 +49,7 @@ def resolve_http2_port(port: int, http2_port: int | None) -> int:
 def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000, http2_port: int | None = None,
                api_key: str | None = None, max_body_bytes: int = 1 << 20, max_waiting_requests: int = 256,
                access_log: bool = False, model_aliases: Sequence[str] = (), chat_template: str | None = None,
-               tool_calling: ToolCallingConfig | None = None) -> None:
+               tool_calling: ToolCallingConfig | None = None, per_request_metrics: bool = False) -> None:
     """Serve until SIGINT/SIGTERM. ``http2_port``: None = port + 1, 0 = no h2c listener."""
     http2_port = resolve_http2_port(port, http2_port)
     check_bindable(host, port)
@@ -80,7 +80,7 @@ def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000, htt
     sys.setswitchinterval(0.0005)
     server = Server(engine, api_key=api_key, max_body_bytes=max_body_bytes, max_waiting_requests=max_waiting_requests,
                     start_engine_thread=False, model_aliases=model_aliases, chat_template=chat_template,
-                    tool_calling=tool_calling)
+                    tool_calling=tool_calling, per_request_metrics=per_request_metrics)
     if tool_calling is not None and tool_calling.enable_auto_tool_choice:
         log.info("tool calling: tool_choice auto parsed with the %s parser", tool_calling.tool_call_parser)
     app = build_app(server)
