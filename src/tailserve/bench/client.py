@@ -24,12 +24,14 @@ request unattributable.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import httpx
 
 from tailserve.metrics.wire import WireTiming
@@ -221,95 +223,214 @@ def _now(t0: float) -> float:
     return time.perf_counter() - t0
 
 
-async def send_request(client: httpx.AsyncClient, spec: RequestSpec, rec: RequestRecord, t0: float,
+class BenchClient:
+    """The load generator's connections. HTTP/1.1 requests stream through aiohttp, HTTP/2
+    (h2c, ``--http2``) through httpx, which has it (aiohttp has none); the control calls (the
+    model list, ``/metrics`` scrapes) go through httpx either way. Why two: on the same load
+    httpx's stack (httpcore, h11, anyio) cost ~170 ms of CPU per 1,000 streamed tokens here,
+    aiohttp's ~35-45 (docs/bench.md), and a load generator that shares the machine with the
+    server must not be what it measures. Create it inside the running event loop."""
+
+    def __init__(self, http2: bool = False, keep_alive: bool = True, timeout_s: float = 600.0,
+                 max_connections: int | None = None) -> None:
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=None if keep_alive else 0,
+                              keepalive_expiry=60.0 if keep_alive else 0.0)
+        timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 30.0))
+        # http2 with http1 off = h2c with prior knowledge on http:// URLs (TLS+ALPN on https://).
+        self.control = httpx.AsyncClient(http1=not http2, http2=http2, limits=limits, timeout=timeout)
+        self.session: aiohttp.ClientSession | None = None
+        if not http2:
+            trace = aiohttp.TraceConfig()
+            trace.on_request_headers_sent.append(_headers_sent)
+            # --timeout is per request, whole: a per-read timeout would re-arm a timer on every
+            # chunk (a tenth of the client's CPU, measured).
+            self.session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=max_connections or 0, force_close=not keep_alive,
+                                               keepalive_timeout=60.0 if keep_alive else None),
+                timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(timeout_s, 30.0)),
+                trace_configs=[trace], auto_decompress=False)
+
+    async def aclose(self) -> None:
+        await self.control.aclose()
+        if self.session is not None:
+            await self.session.close()
+
+
+@dataclass
+class _Sent:
+    """What aiohttp's headers-sent trace stamps: the record, against the run's clock."""
+
+    rec: RequestRecord
+    t0: float
+
+
+async def _headers_sent(session: aiohttp.ClientSession, ctx: Any, params: Any) -> None:
+    sent = ctx.trace_request_ctx
+    if isinstance(sent, _Sent) and sent.rec.send_s is None:
+        sent.rec.send_s = _now(sent.t0)
+
+
+class _EventReader:
+    """The SSE events of one streamed response -> its record. Stamps are taken by the caller
+    when the socket read returned, before any parsing."""
+
+    def __init__(self, spec: RequestSpec, rec: RequestRecord) -> None:
+        self.spec, self.rec = spec, rec
+        self.buf = b""
+        self.pieces: list[str] = []
+        self.done = False
+        self.usage_tokens: int | None = None
+
+    def _next_event(self) -> bytes | None:
+        """The next complete event's bytes, taken off the buffer (None: none complete yet).
+        Events end at a blank line: ``\\n\\n``, or ``\\r\\n\\r\\n`` from servers that write CRLF."""
+        buf = self.buf
+        i = buf.find(b"\n\n")
+        if b"\r" in buf:
+            j = buf.find(b"\r\n\r\n")
+            if j != -1 and (i == -1 or j < i):
+                self.buf = buf[j + 4:]
+                return buf[:j]
+        if i == -1:
+            return None
+        self.buf = buf[i + 2:]
+        return buf[:i]
+
+    def feed(self, raw: bytes, stamp: float) -> bool:
+        """Take one read's bytes; False when the stream is malformed (the record says why)."""
+        rec, spec = self.rec, self.spec
+        self.buf += raw
+        while True:
+            event = self._next_event()
+            if event is None:
+                break
+            data = _event_data(event)
+            if data is None:
+                continue
+            if data == b"[DONE]":
+                self.done = True
+                continue
+            try:
+                obj = json.loads(data)
+            except ValueError:  # not JSON, or not text
+                rec.error_kind = "malformed_stream"
+                rec.error = f"event is not JSON: {data[:80].decode(errors='replace')!r}"
+                return False
+            if not isinstance(obj, dict):
+                rec.error_kind, rec.error = "malformed_stream", \
+                    f"event is not an object: {data[:80].decode(errors='replace')!r}"
+                return False
+            if "error" in obj:
+                err = obj["error"]
+                rec.error_kind = "server_error"
+                rec.error = str(err.get("message", err) if isinstance(err, dict) else err)
+                continue
+            piece = _content(obj, spec.chat)
+            # A call's arguments are output too (for TTFT and ITL), though not content.
+            calls = spec.chat and _tool_call_deltas(obj, rec.tool_calls)
+            if piece or calls:
+                rec.chunk_s.append(stamp)
+            if piece:
+                self.pieces.append(piece)
+                if _SERVER_KEYS.isdisjoint(obj):
+                    continue  # a plain content chunk (the hot path): nothing of the server's account
+            timing = ServerTiming.from_body(obj)
+            # tailserve's own form is the richest; a tailserve server under
+            # --enable-per-request-metrics also sends vLLM's, after it.
+            if timing is not None and (rec.server is None or rec.server.source != "tailserve"):
+                rec.server = timing
+            usage = obj.get("usage")
+            if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+                self.usage_tokens = usage["completion_tokens"]
+                if isinstance(usage.get("prompt_tokens"), int):
+                    rec.server_prompt_tokens = usage["prompt_tokens"]
+                details = usage.get("prompt_tokens_details")
+                if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                    rec.cached_tokens = details["cached_tokens"]
+        return True
+
+
+# The keys a chunk carries the server's account of the request in (ServerTiming.from_body, usage).
+_SERVER_KEYS = frozenset(("timing", "metrics", "timings", "usage"))
+
+
+async def _stream_aiohttp(session: aiohttp.ClientSession, spec: RequestSpec, rec: RequestRecord, t0: float,
+                          headers: dict[str, str], reader: _EventReader) -> ServerTiming | None:
+    async with session.post(spec.url, json=spec.body(), headers=headers, trace_request_ctx=_Sent(rec, t0)) as resp:
+        rec.headers_s = _now(t0)
+        rec.status = resp.status
+        if rec.send_s is None:
+            rec.send_s = rec.headers_s
+        if resp.status >= 400:
+            _http_error(rec, (await resp.read()).decode("utf-8", "replace"), t0)
+            return None
+        header_timing = ServerTiming.from_header(resp.headers.get("server-timing"))
+        async for raw in resp.content.iter_any():
+            if not reader.feed(raw, _now(t0)):
+                return header_timing
+        return header_timing
+
+
+async def _stream_httpx(client: httpx.AsyncClient, spec: RequestSpec, rec: RequestRecord, t0: float,
+                        headers: dict[str, str], reader: _EventReader) -> ServerTiming | None:
+    async def trace(event: str, info: dict) -> None:
+        if event.endswith("send_request_headers.started") and rec.send_s is None:
+            rec.send_s = _now(t0)
+
+    async with client.stream("POST", spec.url, json=spec.body(), headers=headers,
+                             extensions={"trace": trace}) as resp:
+        rec.headers_s = _now(t0)
+        rec.status = resp.status_code
+        if rec.send_s is None:  # a transport without trace events
+            rec.send_s = rec.headers_s
+        if resp.status_code >= 400:
+            _http_error(rec, (await resp.aread()).decode("utf-8", "replace"), t0)
+            return None
+        header_timing = ServerTiming.from_header(resp.headers.get("server-timing"))
+        async for raw in resp.aiter_raw():
+            if not reader.feed(raw, _now(t0)):
+                return header_timing
+        return header_timing
+
+
+def _http_error(rec: RequestRecord, body: str, t0: float) -> None:
+    assert rec.status is not None
+    rec.error_kind = "http_4xx" if rec.status < 500 else "http_5xx"
+    rec.error = f"HTTP {rec.status}: {_error_message(body)}"
+    rec.end_s = _now(t0)
+
+
+async def send_request(client: BenchClient, spec: RequestSpec, rec: RequestRecord, t0: float,
                        tokenizer: Tokenizer | None) -> RequestRecord:
     """Send one streaming request and fill ``rec`` in; never raises for a failed request."""
     headers = {"X-Request-Id": rec.request_id, **spec.headers}
     if not spec.keep_alive:
         headers["Connection"] = "close"
-
-    async def trace(event: str, info: dict) -> None:
-        if event.endswith("send_request_headers.started") and rec.send_s is None:
-            rec.send_s = _now(t0)
-
-    usage_tokens: int | None = None
-    done = False
+    reader = _EventReader(spec, rec)
     try:
-        async with client.stream("POST", spec.url, json=spec.body(), headers=headers,
-                                 extensions={"trace": trace}) as resp:
-            rec.headers_s = _now(t0)
-            rec.status = resp.status_code
-            if rec.send_s is None:  # a transport without trace events
-                rec.send_s = rec.headers_s
-            if resp.status_code >= 400:
-                body = (await resp.aread()).decode("utf-8", "replace")
-                rec.error_kind = "http_4xx" if resp.status_code < 500 else "http_5xx"
-                rec.error = f"HTTP {resp.status_code}: {_error_message(body)}"
-                rec.end_s = _now(t0)
-                return rec
-            header_timing = ServerTiming.from_header(resp.headers.get("server-timing"))
-            buf = b""
-            pieces: list[str] = []
-            async for raw in resp.aiter_raw():
-                stamp = _now(t0)
-                buf += raw
-                while b"\n\n" in buf or b"\r\n\r\n" in buf:
-                    event, buf = _split_event(buf)
-                    data = _event_data(event)
-                    if data is None:
-                        continue
-                    if data == "[DONE]":
-                        done = True
-                        continue
-                    try:
-                        obj = json.loads(data)
-                    except json.JSONDecodeError:
-                        rec.error_kind, rec.error = "malformed_stream", f"event is not JSON: {data[:80]!r}"
-                        return rec
-                    if not isinstance(obj, dict):
-                        rec.error_kind, rec.error = "malformed_stream", f"event is not an object: {data[:80]!r}"
-                        return rec
-                    if "error" in obj:
-                        err = obj["error"]
-                        rec.error_kind = "server_error"
-                        rec.error = str(err.get("message", err) if isinstance(err, dict) else err)
-                        continue
-                    piece = _content(obj, spec.chat)
-                    # A call's arguments are output too (for TTFT and ITL), though not content.
-                    calls = spec.chat and _tool_call_deltas(obj, rec.tool_calls)
-                    if piece or calls:
-                        rec.chunk_s.append(stamp)
-                    if piece:
-                        pieces.append(piece)
-                    timing = ServerTiming.from_body(obj)
-                    # tailserve's own form is the richest; a tailserve server under
-                    # --enable-per-request-metrics also sends vLLM's, after it.
-                    if timing is not None and (rec.server is None or rec.server.source != "tailserve"):
-                        rec.server = timing
-                    usage = obj.get("usage")
-                    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-                        usage_tokens = usage["completion_tokens"]
-                        if isinstance(usage.get("prompt_tokens"), int):
-                            rec.server_prompt_tokens = usage["prompt_tokens"]
-                        details = usage.get("prompt_tokens_details")
-                        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-                            rec.cached_tokens = details["cached_tokens"]
-            rec.end_s = _now(t0)
-            rec.text = "".join(pieces)
-            if rec.server is None:
-                rec.server = header_timing
-    except httpx.TimeoutException as e:
+        if client.session is not None:
+            header_timing = await _stream_aiohttp(client.session, spec, rec, t0, headers, reader)
+        else:
+            header_timing = await _stream_httpx(client.control, spec, rec, t0, headers, reader)
+        if rec.error_kind is not None and rec.end_s is not None:
+            return rec  # an HTTP error status: nothing was streamed
+        if rec.error_kind == "malformed_stream":
+            return rec
+        rec.end_s = _now(t0)
+        rec.text = "".join(reader.pieces)
+        if rec.server is None:
+            rec.server = header_timing
+    except (httpx.TimeoutException, asyncio.TimeoutError) as e:
         rec.error_kind, rec.error = "timeout", f"{type(e).__name__}: {e}"
-    except httpx.ConnectError as e:
+    except (httpx.ConnectError, aiohttp.ClientConnectorError) as e:
         rec.error_kind, rec.error = "connect", f"{type(e).__name__}: {e}"
-    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
+    except (httpx.HTTPError, aiohttp.ClientError) as e:  # the peer closed, reset or cut the stream
         rec.error_kind, rec.error = "disconnect", f"{type(e).__name__}: {e}"
-    except httpx.HTTPError as e:
-        rec.error_kind, rec.error = "disconnect", f"{type(e).__name__}: {e}"
-    if rec.error_kind is None and not done:
+    if rec.error_kind is None and not reader.done:
         rec.error_kind, rec.error = "malformed_stream", "the stream ended without 'data: [DONE]'"
     # No content and no usage: nothing says a token was generated. (With usage, an empty text
     # is legitimate: every token was a special one the server does not show.)
+    usage_tokens = reader.usage_tokens
     if rec.error_kind is None and not rec.chunk_s and rec.max_tokens > 0 and usage_tokens is None:
         rec.error_kind, rec.error = "malformed_stream", "the stream carried no content"
     if usage_tokens is not None:
@@ -322,16 +443,13 @@ async def send_request(client: httpx.AsyncClient, spec: RequestSpec, rec: Reques
     return rec
 
 
-def _split_event(buf: bytes) -> tuple[bytes, bytes]:
-    i, j = buf.find(b"\n\n"), buf.find(b"\r\n\r\n")
-    if j != -1 and (i == -1 or j < i):
-        return buf[:j], buf[j + 4:]
-    return buf[:i], buf[i + 2:]
-
-
-def _event_data(event: bytes) -> str | None:
-    lines = [ln[5:].lstrip() for ln in event.decode("utf-8", "replace").splitlines() if ln.startswith("data:")]
-    return "\n".join(lines) if lines else None
+def _event_data(event: bytes) -> bytes | None:
+    """An SSE event's data (its ``data:`` lines joined), None when it has none (a comment, a
+    bare ``event:``)."""
+    if event.startswith(b"data: ") and b"\n" not in event:  # the common case: one data line
+        return event[6:]
+    lines = [ln[5:].lstrip() for ln in event.splitlines() if ln.startswith(b"data:")]
+    return b"\n".join(lines) if lines else None
 
 
 def _content(obj: dict[str, Any], chat: bool) -> str:

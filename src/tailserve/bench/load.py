@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 
 from tailserve.bench.arrivals import arrival_offsets
-from tailserve.bench.client import RequestRecord, RequestSpec, new_request_id, send_request
+from tailserve.bench.client import BenchClient, RequestRecord, RequestSpec, new_request_id, send_request
 from tailserve.bench.datasets import BenchRequest
 from tailserve.bench.server_metrics import MetricsWatcher, ServerCounters
 from tailserve.errors import ConfigError
@@ -76,12 +76,9 @@ class LoadRun:
     num_warmups: int
 
 
-def make_client(cfg: LoadConfig, max_connections: int | None = None) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=None if cfg.keep_alive else 0,
-                          keepalive_expiry=60.0 if cfg.keep_alive else 0.0)
-    timeout = httpx.Timeout(cfg.timeout_s, connect=min(cfg.timeout_s, 30.0))
-    # http2 with http1 off = h2c with prior knowledge on http:// URLs (TLS+ALPN on https://).
-    return httpx.AsyncClient(http1=not cfg.http2, http2=cfg.http2, limits=limits, timeout=timeout)
+def make_client(cfg: LoadConfig, max_connections: int | None = None) -> BenchClient:
+    return BenchClient(http2=cfg.http2, keep_alive=cfg.keep_alive, timeout_s=cfg.timeout_s,
+                       max_connections=max_connections)
 
 
 async def first_model(client: httpx.AsyncClient, base_url: str, headers: dict[str, str]) -> str:
@@ -145,7 +142,7 @@ async def run_load(cfg: LoadConfig, requests: list[BenchRequest], tokenizer: Tok
         raise ConfigError("no requests to send")
     client = make_client(cfg)
     try:
-        model = cfg.model or await first_model(client, cfg.base_url, cfg.headers)
+        model = cfg.model or await first_model(client.control, cfg.base_url, cfg.headers)
         if cfg.num_warmups:
             pool = warmups or requests
             warm = [pool[i % len(pool)] for i in range(cfg.num_warmups)]
@@ -158,7 +155,7 @@ async def run_load(cfg: LoadConfig, requests: list[BenchRequest], tokenizer: Tok
             offsets = [float(r.arrival_s) for r in requests]  # type: ignore[arg-type]
         else:
             offsets = arrival_offsets(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed, cfg.ramp)
-        watcher = MetricsWatcher(client, cfg.base_url, cfg.metrics_interval_s)
+        watcher = MetricsWatcher(client.control, cfg.base_url, cfg.metrics_interval_s)
         await watcher.start()
         # A full garbage collection walks every object the process holds (in a process that
         # imported torch: hundreds of milliseconds) and stalls the event loop, and a stall
@@ -192,7 +189,7 @@ async def run_load(cfg: LoadConfig, requests: list[BenchRequest], tokenizer: Tok
     return LoadRun(cfg, model, records, duration, counters, cfg.num_warmups)
 
 
-async def _one(client: httpx.AsyncClient, cfg: LoadConfig, model: str, req: BenchRequest, rec: RequestRecord,
+async def _one(client: BenchClient, cfg: LoadConfig, model: str, req: BenchRequest, rec: RequestRecord,
                t0: float, tokenizer: Tokenizer | None, sem: asyncio.Semaphore | None,
                messages: list[dict[str, str]] | None = None, prompt: str | None = None) -> RequestRecord:
     if messages is None and req.messages is not None:
@@ -209,7 +206,7 @@ async def _one(client: httpx.AsyncClient, cfg: LoadConfig, model: str, req: Benc
         return await send_request(client, spec, rec, t0, tokenizer)
 
 
-async def _conversation(client: httpx.AsyncClient, cfg: LoadConfig, model: str, req: BenchRequest,
+async def _conversation(client: BenchClient, cfg: LoadConfig, model: str, req: BenchRequest,
                         rec: RequestRecord, t0: float, tokenizer: Tokenizer | None, sem: asyncio.Semaphore | None,
                         records: list[RequestRecord], on_done: Callable[[RequestRecord], None] | None) -> None:
     """A single request, or a multi-turn chain: each follow-up is sent when the previous
