@@ -3,7 +3,7 @@ on the same server and load, interleaved, with each client's own CPU cost.
 
 One `tailserve serve` (the built-in target unless --model, with --enable-per-request-metrics);
 a warm-up load of each client; then --rounds rounds of `vllm bench serve` and `tailserve bench`
-(random 128 in / 128 out, --ignore-eos, 64 prompts, 16 concurrent; the order alternates per
+(random 128 in / 128 out, --ignore-eos, greedy, 64 prompts, 16 concurrent; the order alternates per
 round, since the server itself drifts 5-20% between runs here). Per run: output tok/s and
 TTFT P50 from each tool's own result JSON, and the client's CPU seconds per 1,000 streamed
 tokens counted over the load only: the client's and the server's CPU times are read from
@@ -72,6 +72,8 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--request-rate", default="inf")
+    ap.add_argument("--client-src", default=None,
+                    help="run tailserve bench from another checkout's src/ (a before/after comparison)")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     args = ap.parse_args()
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="client-cpu-"))
@@ -89,10 +91,11 @@ def main() -> None:
         def vllm(name: str) -> list[str]:
             return [args.vllm_python, str(VLLM_CLI), "bench", "serve", "--backend", "openai", "--base-url", srv.url,
                     *load, "--save-result", "--result-dir", str(tmp), "--result-filename", name,
-                    "--percentile-metrics", "ttft,tpot,itl,e2el"]
+                    "--percentile-metrics", "ttft,tpot,itl,e2el", "--temperature", "0"]  # as tailserve bench sends
 
         vllm_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-        clients = {"tailserve bench": (tailserve, None)}
+        ts_env = {**os.environ, "PYTHONPATH": args.client_src} if args.client_src else None
+        clients = {"tailserve bench": (tailserve, ts_env)}
         if args.vllm_python:
             clients["vllm bench serve"] = (vllm, vllm_env)
         for name, (cmd, env) in clients.items():  # warm-up loads (the server's first load is slower)
