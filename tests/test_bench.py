@@ -25,7 +25,7 @@ from tailserve.bench.arrivals import arrival_offsets
 from tailserve.bench.datasets import BenchRequest, DatasetConfig, load_dataset
 from tailserve.bench.load import LoadConfig, run_load
 from tailserve.bench.local_server import LocalServer, free_port
-from tailserve.bench.report import compare, html_report, plots
+from tailserve.bench.report import compare, html_report, plots, render_table
 from tailserve.bench.results import build_result
 from tailserve.cli import main
 from tailserve.errors import ConfigError
@@ -93,6 +93,7 @@ def test_recovers_injected_queue_prefill_and_token_gaps():
     assert 68 <= ph["decode"] <= 85, ph  # 7 gaps of 10 ms
     assert ph["network"] < 12, ph
     assert res["attribution"]["num_joined"] == 40
+    assert res["saturation"]["oversaturated"] is False  # 20 req/s the server keeps up with
 
 
 def test_wire_delay_on_five_percent_of_requests_is_named_network():
@@ -440,6 +441,8 @@ def test_compare_command(tmp_path, two_results, capsys):
     (["--dataset-name", "sharegpt"], "needs --dataset-path"),
     (["--goodput", "ttft=5"], "KEY:MS"),
     (["--percentile-metrics", "ttft,foo"], "unknown foo"),
+    (["--url", "http://127.0.0.1:9", "--tokenizer", str(DEFAULT_TARGET_DIR), "--probe-request-rate", "0"],
+     "--probe-request-rate must be positive"),
     (["--url", "http://127.0.0.1:9", "--tokenizer", str(DEFAULT_TARGET_DIR), "--num-prompts", "1"], "cannot reach"),
 ])
 def test_bad_bench_flags_exit_2_with_one_line(argv, message, capsys):
@@ -545,3 +548,55 @@ def test_each_load_level_gets_fresh_prompts_and_warmups_of_their_own(tok):
     assert len(first) == 5 and len(warm1) == 2
     assert not {r.prompt for r in warm1} & {r.prompt for r in first}
     assert not {r.prompt for r in first} & {r.prompt for r in second}
+
+
+# -- load shapes: exponential ramp-up, probes, the over-saturation stop -----------------------------
+def test_an_exponential_ramp_passes_the_geometric_mean_rate_halfway():
+    gaps = np.diff(arrival_offsets(4001, 1.0, seed=3, ramp=(1.0, 16.0), ramp_strategy="exponential"))
+    linear = np.diff(arrival_offsets(4001, 1.0, seed=3, ramp=(1.0, 16.0)))
+    mid = slice(1900, 2100)
+    # Halfway the exponential ramp runs at sqrt(1 * 16) = 4 req/s, the linear one at 8.5.
+    assert 3.3 < 1 / gaps[mid].mean() < 4.8 and 7.0 < 1 / linear[mid].mean() < 10.0
+    assert 13 < 1 / gaps[-200:].mean() < 19
+    with pytest.raises(ConfigError, match="ramp-up-strategy"):
+        arrival_offsets(4, 1.0, ramp=(1.0, 2.0), ramp_strategy="cubic")
+
+
+def test_oversaturation_test_on_hand_written_series():
+    from tailserve.bench.saturation import check_oversaturation
+
+    t = np.arange(0.0, 20.0, 0.5)
+    growing = check_oversaturation([(x, 0.05 + 0.1 * x) for x in np.arange(0, 20, 0.2)], t, (2 + 1.5 * t).round(),
+                                   20.0)
+    assert growing.oversaturated and 90 < growing.ttft_slope_ms_per_s < 110
+    rng = np.random.default_rng(0)  # slow but steady: a high TTFT that does not trend
+    steady = check_oversaturation([(x, 2.0 + 0.2 * rng.random()) for x in np.arange(0, 20, 0.2)], t,
+                                  np.full_like(t, 12.0) + rng.integers(0, 3, len(t)), 20.0)
+    assert not steady.oversaturated
+    # A queue that grows while TTFT does not (the client's own cap holds the server back) is not it either.
+    capped = check_oversaturation([(x, 0.3) for x in np.arange(0, 20, 0.2)], t, (2 + 1.5 * t).round(), 20.0)
+    assert not capped.oversaturated
+    assert not check_oversaturation([(0.1, 1.0)], t[:4], t[:4], 2.0).oversaturated  # too short to test
+
+
+def test_probes_bypass_the_concurrency_cap_and_are_reported_apart():
+    # The server generates 2 at a time; the load keeps 8 in flight, so a new request queues.
+    with FakeServer("--itl-ms", "5", "--capacity", "2") as srv:
+        res = _run(srv.url, _requests(30, out=10), max_concurrency=8, probe_rate=25.0, seed=5)
+    assert res["completed"] == 30 and res["num_prompts"] == 30  # probes are not load requests
+    pr = res["probes"]
+    assert pr["sent"] >= 5 and pr["completed"] == pr["sent"], pr
+    # A probe waits behind the queue the load keeps (about three 45 ms requests per slot ahead).
+    assert pr["ttft_ms"]["p50"] > 40, pr
+    assert not res["saturation"]["oversaturated"]
+
+
+def test_an_oversaturated_level_stops_sending_and_says_so():
+    # Capacity 1, ~30 ms per request: ~33 req/s at most, sent 80 req/s.
+    with FakeServer("--itl-ms", "5", "--capacity", "1") as srv:
+        res = _run(srv.url, _requests(400, out=6), request_rate=80.0, seed=6, stop_on_oversaturation=True,
+                   oversaturation_min_window_s=1.0)
+    sat = res["saturation"]
+    assert sat["oversaturated"] and sat["stopped_sending"], sat
+    assert 50 < sat["sent"] < 400 and sat["ttft_slope_ms_per_s"] > 0 and sat["concurrency_slope_per_s"] > 0
+    assert "over-saturated" in render_table([res])

@@ -2,9 +2,10 @@
 
 Inter-arrival gaps are gamma-distributed with shape = ``burstiness`` and mean
 1 / rate (so burstiness 1 is a Poisson process; below 1 burstier, above 1 more even),
-as in ``vllm bench serve``. A linear ramp-up moves the rate from ``ramp[0]`` to
-``ramp[1]`` requests/s across the run (request i at start + (end - start) * i / (n - 1)),
-as vLLM's ``--ramp-up-strategy linear``. ``rate = inf`` sends everything at t = 0.
+as in ``vllm bench serve``. A ramp-up moves the rate from ``ramp[0]`` to ``ramp[1]``
+requests/s across the run, as vLLM's ``--ramp-up-strategy``: ``linear`` (request i at
+start + (end - start) * i / (n - 1)) or ``exponential`` (start * (end / start) ** (i / (n - 1))).
+``rate = inf`` sends everything at t = 0.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import numpy as np
 
 from tailserve.errors import ConfigError
 
+RAMP_STRATEGIES = ("linear", "exponential")
+
 
 def arrival_offsets(n: int, rate: float, burstiness: float = 1.0, seed: int = 0,
-                    ramp: tuple[float, float] | None = None) -> list[float]:
+                    ramp: tuple[float, float] | None = None, ramp_strategy: str = "linear") -> list[float]:
     """Seconds after the start at which each of ``n`` requests is sent (non-decreasing)."""
     if rate <= 0:
         raise ConfigError("--request-rate must be positive (inf: all at once)")
@@ -25,12 +28,20 @@ def arrival_offsets(n: int, rate: float, burstiness: float = 1.0, seed: int = 0,
         raise ConfigError("--burstiness must be positive")
     if ramp is not None and (ramp[0] <= 0 or ramp[1] <= 0 or math.isinf(ramp[0]) or math.isinf(ramp[1])):
         raise ConfigError("--ramp-up-start-rps and --ramp-up-end-rps must be positive and finite")
+    if ramp_strategy not in RAMP_STRATEGIES:
+        raise ConfigError(f"--ramp-up-strategy must be one of {', '.join(RAMP_STRATEGIES)}")
     if math.isinf(rate) and ramp is None:
         return [0.0] * n
     rng = np.random.default_rng(seed)
     out, t = [], 0.0
     for i in range(n):
-        r = rate if ramp is None else ramp[0] + (ramp[1] - ramp[0]) * i / max(n - 1, 1)
+        f = i / max(n - 1, 1)
+        if ramp is None:
+            r = rate
+        elif ramp_strategy == "linear":
+            r = ramp[0] + (ramp[1] - ramp[0]) * f
+        else:
+            r = ramp[0] * (ramp[1] / ramp[0]) ** f
         if i:  # the first request leaves at once; the gaps keep their distribution
             t += float(rng.gamma(shape=burstiness, scale=1.0 / (r * burstiness)))
         out.append(t)

@@ -76,10 +76,16 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--burstiness", type=float, default=1.0, help="1 = Poisson; <1 burstier; >1 more even")
     a.add_argument("--max-concurrency", type=int, default=None)
     a.add_argument("--num-warmups", type=int, default=0, help="requests sent first and left out of the results")
-    a.add_argument("--ramp-up-strategy", default=None, choices=["linear"])
+    a.add_argument("--ramp-up-strategy", default=None, choices=["linear", "exponential"])
     a.add_argument("--ramp-up-start-rps", type=float, default=None)
     a.add_argument("--ramp-up-end-rps", type=float, default=None)
     a.add_argument("--duration", type=float, default=None, help="send for this many seconds instead of a count")
+    a.add_argument("--probe-request-rate", type=float, default=None, metavar="R",
+                   help="also send 1-token probe requests at R/s (Poisson) beside the load, outside "
+                        "--max-concurrency, reported apart: the latency a user's short request sees under it")
+    a.add_argument("--stop-on-oversaturation", action="store_true",
+                   help="stop sending a level once TTFT and the requests in flight both grow without bound "
+                        "(the test in the result's 'saturation'; applied after the level either way)")
     a.add_argument("--ignore-eos", action="store_true")
     a.add_argument("--temperature", type=float, default=0.0)
     a.add_argument("--top-p", type=float, default=1.0)

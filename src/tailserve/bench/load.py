@@ -4,12 +4,13 @@ chains, and the server's counters around it. Returns every request's record."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -17,6 +18,7 @@ import httpx
 from tailserve.bench.arrivals import arrival_offsets
 from tailserve.bench.client import BenchClient, RequestRecord, RequestSpec, new_request_id, send_request
 from tailserve.bench.datasets import BenchRequest
+from tailserve.bench.saturation import SaturationVerdict, check_oversaturation, in_flight
 from tailserve.bench.server_metrics import MetricsWatcher, ServerCounters
 from tailserve.errors import ConfigError
 from tailserve.model.tokenizer import Tokenizer
@@ -33,7 +35,8 @@ class LoadConfig:
     burstiness: float = 1.0
     max_concurrency: int | None = None
     num_warmups: int = 0
-    ramp: tuple[float, float] | None = None  # linear ramp-up: (start, end) requests/s
+    ramp: tuple[float, float] | None = None  # ramp-up: (start, end) requests/s
+    ramp_strategy: str = "linear"  # or "exponential" (vLLM's --ramp-up-strategy)
     duration_s: float | None = None  # stop sending after this long (requests prepared in advance)
     ignore_eos: bool = False
     temperature: float = 0.0
@@ -46,6 +49,9 @@ class LoadConfig:
     seed: int = 0
     metrics_interval_s: float = 1.0  # gauge sampling (KV use, running, waiting)
     tool_choice: str = "none"  # sent with a dataset's tools (agentic)
+    probe_rate: float | None = None  # --probe-request-rate: 1-token probes/s beside the load
+    stop_on_oversaturation: bool = False
+    oversaturation_min_window_s: float = 5.0  # the test's shortest window (bench/saturation.py)
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
@@ -60,6 +66,8 @@ class LoadConfig:
             raise ConfigError("--duration must be positive")
         if self.timeout_s <= 0:
             raise ConfigError("--timeout must be positive")
+        if self.probe_rate is not None and not (0 < self.probe_rate < math.inf):
+            raise ConfigError("--probe-request-rate must be positive and finite")
 
     @property
     def chat(self) -> bool:
@@ -74,6 +82,8 @@ class LoadRun:
     duration_s: float
     counters: ServerCounters
     num_warmups: int
+    probes: list[RequestRecord] = field(default_factory=list)  # --probe-request-rate's, apart
+    stopped: SaturationVerdict | None = None  # the live over-saturation test that stopped the level
 
 
 def make_client(cfg: LoadConfig, max_connections: int | None = None) -> BenchClient:
@@ -154,7 +164,8 @@ async def run_load(cfg: LoadConfig, requests: list[BenchRequest], tokenizer: Tok
         if traced:
             offsets = [float(r.arrival_s) for r in requests]  # type: ignore[arg-type]
         else:
-            offsets = arrival_offsets(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed, cfg.ramp)
+            offsets = arrival_offsets(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed, cfg.ramp,
+                                      cfg.ramp_strategy)
         watcher = MetricsWatcher(client.control, cfg.base_url, cfg.metrics_interval_s)
         await watcher.start()
         # A full garbage collection walks every object the process holds (in a process that
@@ -167,6 +178,13 @@ async def run_load(cfg: LoadConfig, requests: list[BenchRequest], tokenizer: Tok
             sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
             records: list[RequestRecord] = []
             t0 = time.perf_counter()
+            live = _Live(t0)
+            probes: list[RequestRecord] = []
+            side = []
+            if cfg.probe_rate:
+                side.append(asyncio.ensure_future(_probes(client, cfg, model, t0, probes, live)))
+            if cfg.stop_on_oversaturation:
+                side.append(asyncio.ensure_future(_watch_saturation(live, cfg.oversaturation_min_window_s)))
             tasks = []
             for i, (req, off) in enumerate(zip(requests, offsets)):
                 if cfg.duration_s is not None and off > cfg.duration_s:
@@ -174,11 +192,16 @@ async def run_load(cfg: LoadConfig, requests: list[BenchRequest], tokenizer: Tok
                 delay = off - (time.perf_counter() - t0)
                 if delay > 0:
                     await asyncio.sleep(delay)
+                if live.stopped is not None:
+                    break  # over-saturated: the rest are not sent
                 rec = RequestRecord(i, new_request_id(), req.prompt_len, req.output_len, off,
                                     conversation=req.conversation, turn=0, dispatch_s=time.perf_counter() - t0)
+                live.records.append(rec)
                 tasks.append(asyncio.ensure_future(
                     _conversation(client, cfg, model, req, rec, t0, tokenizer, sem, records, on_done)))
             await asyncio.gather(*tasks)
+            live.done = True
+            await asyncio.gather(*side)
         finally:
             gc.unfreeze()
         duration = time.perf_counter() - t0
@@ -186,7 +209,59 @@ async def run_load(cfg: LoadConfig, requests: list[BenchRequest], tokenizer: Tok
     finally:
         await client.aclose()
     records.sort(key=lambda r: (r.intended_s, r.index, r.turn))
-    return LoadRun(cfg, model, records, duration, counters, cfg.num_warmups)
+    return LoadRun(cfg, model, records, duration, counters, cfg.num_warmups, probes, live.stopped)
+
+
+@dataclass
+class _Live:
+    """What the side tasks of a level see while it runs."""
+
+    t0: float
+    records: list[RequestRecord] = field(default_factory=list)  # first turns, as they are sent
+    done: bool = False  # every load request has finished
+    stopped: SaturationVerdict | None = None
+
+
+async def _watch_saturation(live: _Live, min_window_s: float) -> None:
+    """The over-saturation test (bench/saturation.py) every second; on a positive one the
+    level stops sending."""
+    while not live.done and live.stopped is None:
+        await asyncio.sleep(min(1.0, min_window_s / 4))
+        now = time.perf_counter() - live.t0
+        recs = list(live.records)
+        points = [(r.start_s + r.ttft_s, r.ttft_s) for r in recs if r.ttft_s is not None]
+        starts = [r.start_s for r in recs]
+        t, conc = in_flight(starts, [r.end_s for r in recs], now)
+        verdict = check_oversaturation(points, t, conc, now, min_window_s)
+        if verdict.oversaturated:
+            live.stopped = dataclasses.replace(verdict, at_s=now)
+
+
+PROBE_PROMPT = "Reply with one word: ping {i}"
+
+
+async def _probes(client: BenchClient, cfg: LoadConfig, model: str, t0: float, out: list[RequestRecord],
+                  live: _Live) -> None:
+    """1-token requests at ``cfg.probe_rate`` (Poisson, seeded) until the load's requests are
+    done: they skip the concurrency cap, so they see the server as a new user's short request
+    would, behind whatever the load keeps queued."""
+    import numpy as np
+
+    rng = np.random.default_rng(cfg.seed + 7919)
+    pending = []
+    i = 0
+    while not live.done:
+        await asyncio.sleep(float(rng.exponential(1.0 / cfg.probe_rate)))  # type: ignore[operator]
+        if live.done:
+            break
+        req = BenchRequest(PROBE_PROMPT.format(i=i), 8, 1)
+        rec = RequestRecord(-1 - i, new_request_id(), req.prompt_len, 1, time.perf_counter() - t0,
+                            dispatch_s=time.perf_counter() - t0)
+        spec = replace(_spec(cfg, model, req, [{"role": "user", "content": req.prompt}] if cfg.chat else None,
+                             req.prompt), ignore_eos=False, tools=None)
+        pending.append(asyncio.ensure_future(send_request(client, spec, rec, t0, None)))
+        i += 1
+    out.extend(await asyncio.gather(*pending))
 
 
 async def _one(client: BenchClient, cfg: LoadConfig, model: str, req: BenchRequest, rec: RequestRecord,

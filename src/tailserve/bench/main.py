@@ -304,7 +304,9 @@ def run_bench(args: argparse.Namespace) -> int:
     with _target(args) as (base_url, h2_url):
         base = LoadConfig(base_url=base_url, endpoint=endpoint, model=args.model if not local else None,
                           request_rate=rates[0], burstiness=args.burstiness, max_concurrency=args.max_concurrency,
-                          num_warmups=args.num_warmups, ramp=ramp, duration_s=args.duration,
+                          num_warmups=args.num_warmups, ramp=ramp,
+                          ramp_strategy=args.ramp_up_strategy or "linear", duration_s=args.duration,
+                          probe_rate=args.probe_request_rate, stop_on_oversaturation=args.stop_on_oversaturation,
                           ignore_eos=args.ignore_eos, temperature=args.temperature, top_p=args.top_p,
                           extra_body=extra_body, headers=_headers(args), http2=args.http2,
                           keep_alive=not args.no_keep_alive, timeout_s=args.timeout, seed=args.seed,

@@ -70,6 +70,19 @@ def render_table(results: Sequence[dict[str, Any]], title: str = "tailserve benc
                 console.print(f"{r.get('label')}: warning: the client lagged (P99 send lag "
                               f"{client['p99_send_lag_ms']:.1f} ms); its figures include its own delay",
                               soft_wrap=True, markup=False)
+            sat = r.get("saturation") or {}
+            if sat.get("oversaturated"):
+                when = (f"stopped sending at {sat['at_s']:.1f} s after {sat['sent']} requests"
+                        if sat.get("stopped_sending") else "its figures depend on how long it ran")
+                console.print(f"{r.get('label')}: over-saturated: TTFT grew {sat['ttft_slope_ms_per_s']:.0f} ms/s and "
+                              f"requests in flight {sat['concurrency_slope_per_s']:.1f}/s; {when}",
+                              soft_wrap=True, markup=False)
+            pr = r.get("probes")
+            if pr and pr.get("ttft_ms"):
+                q = pr["ttft_ms"]
+                console.print(f"{r.get('label')}: probes ({pr['completed']} of {pr['sent']} at {pr['rate']:g}/s, "
+                              "1 token each): TTFT " + ", ".join(f"{k.upper()} {v:.1f}" for k, v in q.items()) + " ms",
+                              soft_wrap=True, markup=False)
             errs = {k: v for k, v in r.get("errors_by_kind", {}).items() if v}
             if errs:
                 console.print(f"{r.get('label')}: errors: " + ", ".join(f"{k} {v}" for k, v in errs.items()),

@@ -21,6 +21,7 @@ import numpy as np
 
 from tailserve.bench.client import ERROR_KINDS, RequestRecord
 from tailserve.bench.load import LoadRun
+from tailserve.bench.saturation import check_oversaturation, in_flight
 from tailserve.errors import ConfigError
 from tailserve.metrics.attribution import attribute_tail, phase_times
 from tailserve.metrics.prefix_break import role_kind
@@ -115,6 +116,30 @@ def _peak_throughput(records: Sequence[RequestRecord]) -> tuple[float, int]:
     peak = int(np.argmax(buckets))
     live = sum(1 for r in ok if r.start_s < peak + 1 and (r.end_s or 0) >= peak)
     return float(buckets[peak]), live
+
+
+def saturation_figures(run: LoadRun) -> dict[str, Any]:
+    """The over-saturation test (bench/saturation.py): the live one that stopped the level, or
+    the same test over the finished level's records."""
+    if run.stopped is not None:
+        return {**run.stopped.to_dict(), "stopped_sending": True, "sent": len(run.records)}
+    recs = [r for r in run.records if r.turn == 0]
+    last_send = max((r.start_s for r in recs), default=0.0)
+    t, conc = in_flight([r.start_s for r in recs], [r.end_s for r in recs], last_send)
+    points = [(r.start_s + r.ttft_s, r.ttft_s) for r in recs
+              if r.ttft_s is not None and r.start_s + r.ttft_s <= last_send]
+    verdict = check_oversaturation(points, t, conc, last_send, run.config.oversaturation_min_window_s)
+    return {**verdict.to_dict(), "stopped_sending": False}
+
+
+def probe_figures(probes: Sequence[RequestRecord], rate: float, percentiles: Sequence[float]) -> dict[str, Any]:
+    """--probe-request-rate's 1-token requests, apart from the load: what a short request saw."""
+    ok = [p for p in probes if p.success and p.ttft_s is not None]
+    out: dict[str, Any] = {"rate": rate, "sent": len(probes), "completed": len(ok), "failed": len(probes) - len(ok)}
+    for name, vals in (("ttft", [p.ttft_s for p in ok]), ("e2el", [p.e2el_s for p in ok])):
+        vs = np.asarray([v for v in vals if v is not None], dtype=float) * 1e3
+        out[f"{name}_ms"] = {f"p{p:g}": float(np.percentile(vs, p)) for p in percentiles} if len(vs) else None
+    return out
 
 
 def join_server_timings(records: Sequence[RequestRecord]) -> list[RequestMetrics]:
@@ -310,6 +335,9 @@ def build_result(run: LoadRun, percentile_metrics: Sequence[str], percentiles: S
     result["attribution"] = attribution(records, lag_p99, speculative=bool(counters.get("spec_decode_draft_tokens")),
                                         joined=joined)
     result["prefix_cache"] = prefix_cache_figures(records)
+    result["saturation"] = saturation_figures(run)
+    if run.config.probe_rate:
+        result["probes"] = probe_figures(run.probes, run.config.probe_rate, percentiles)
     if any(r.conversation is not None for r in records):
         result["turns"] = turn_figures(records)
         result["session_e2e"] = session_figures(records)
