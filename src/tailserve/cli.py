@@ -181,6 +181,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return _serve_on_ray(args, tools)
     http2_port = resolve_http2_port(args.port, args.http2_port)
     check_bindable(args.host, args.port)  # fail before spending seconds loading the model
+    tracer = None
+    if args.otlp_traces_endpoint is not None:
+        from tailserve.server.tracing import RequestTracer
+
+        tracer = RequestTracer(args.otlp_traces_endpoint)  # a missing extra fails here, before the load
     if http2_port:
         check_bindable(args.host, http2_port)
     kw = _engine_kwargs(args)
@@ -195,7 +200,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     run_server(engine, host=args.host, port=args.port, http2_port=http2_port, api_key=args.api_key,
                max_body_bytes=parse_bytes(args.max_request_body), max_waiting_requests=args.max_waiting_requests,
                access_log=args.access_log, model_aliases=aliases,
-               per_request_metrics=args.enable_per_request_metrics, **tools)
+               per_request_metrics=args.enable_per_request_metrics, tracer=tracer, **tools)
     return 0
 
 
@@ -241,6 +246,9 @@ def _serve_on_ray(args: argparse.Namespace, tools: dict[str, object]) -> int:
         raise ConfigError("--http2-port: Ray Serve's proxy speaks HTTP/1.1 only; drop it with --ray-replicas")
     if args.access_log:
         raise ConfigError("--access-log: Ray Serve logs each request itself; drop it with --ray-replicas")
+    if args.otlp_traces_endpoint is not None:
+        raise ConfigError("--otlp-traces-endpoint is not available with --ray-replicas yet (each replica would "
+                          "need its own exporter); drop one of them")
     try:
         import ray
         from ray import serve
@@ -261,7 +269,8 @@ def _serve_on_ray(args: argparse.Namespace, tools: dict[str, object]) -> int:
         num_replicas=args.ray_replicas, engine_kwargs=kw, served_model_names=names,
         num_cpus_per_replica=max(cores, args.ray_replicas) / args.ray_replicas,
         server_kwargs={"api_key": args.api_key, "max_body_bytes": parse_bytes(args.max_request_body),
-                       "max_waiting_requests": args.max_waiting_requests, **tools}), route_prefix="/",
+                       "max_waiting_requests": args.max_waiting_requests,
+                       "per_request_metrics": args.enable_per_request_metrics, **tools}), route_prefix="/",
         name="tailserve")
     print(f"serving {names[0]} on http://{args.host}:{args.port} with {args.ray_replicas} Ray Serve replicas",
           file=sys.stderr)
@@ -479,6 +488,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "time_to_first_token_ms from scheduling, generation_time_ms, mean_itl_ms, "
                           "tokens_per_second) in the body, or in the final usage chunk when streaming, beside "
                           "tailserve's 'timing'; as vLLM, only for one prompt and one choice")
+    srv.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                     help="export one OpenTelemetry span per request (phase events queued, scheduled, preempted, "
+                          "first_token, finished; a child of the request's W3C traceparent) to this OTLP/HTTP "
+                          "traces endpoint, e.g. http://127.0.0.1:4318/v1/traces (needs pip install "
+                          "'tailserve[otel]')")
     srv.add_argument("--access-log", action="store_true")
     srv.add_argument("--chat-template", default=None, metavar="FILE",
                      help="a Jinja chat template to use instead of the checkpoint's (it sees messages, tools, "

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -110,6 +111,8 @@ class RequestRecord:
     server: ServerTiming | None = None
     error_kind: str | None = None
     error: str = ""
+    # The W3C trace context sent with it (a server that traces continues this trace).
+    traceparent: str = field(default_factory=lambda: new_traceparent())
 
     @property
     def success(self) -> bool:
@@ -175,7 +178,8 @@ class RequestRecord:
             "e2el_ms": _ms(self.e2el_s), "send_lag_ms": _ms(self.send_lag_s),
             "client_queue_ms": self.client_queue_s * 1e3, "num_chunks": len(self.chunk_s),
             "itl_ms": [x * 1e3 for x in self.itl_s], "status": self.status, "error_kind": self.error_kind,
-            "error": self.error, "server_timing": self.server.as_dict() if self.server else None,
+            "error": self.error, "traceparent": self.traceparent,
+            "server_timing": self.server.as_dict() if self.server else None,
         }
 
 
@@ -404,6 +408,11 @@ async def send_request(client: BenchClient, spec: RequestSpec, rec: RequestRecor
                        tokenizer: Tokenizer | None) -> RequestRecord:
     """Send one streaming request and fill ``rec`` in; never raises for a failed request."""
     headers = {"X-Request-Id": rec.request_id, **spec.headers}
+    own = next((v for k, v in spec.headers.items() if k.lower() == "traceparent"), None)
+    if own is None:
+        headers["traceparent"] = rec.traceparent
+    else:  # a --header traceparent=... of the user's wins, and is what the record says was sent
+        rec.traceparent = own
     if not spec.keep_alive:
         headers["Connection"] = "close"
     reader = _EventReader(spec, rec)
@@ -506,3 +515,9 @@ def _error_message(body: str) -> str:
 
 def new_request_id() -> str:
     return f"bench-{uuid.uuid4().hex}"
+
+
+def new_traceparent() -> str:
+    """A W3C ``traceparent`` for one request: version 00, a random trace id and parent span
+    id, sampled (so a server that traces records it; the trace id finds its span)."""
+    return f"00-{os.urandom(16).hex()}-{os.urandom(8).hex()}-01"

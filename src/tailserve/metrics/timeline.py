@@ -72,6 +72,8 @@ class RequestMetrics:
     spec_num_accepted_tokens: int = 0
     # Where the prompt left the prefix cache (None: the cache was not looked up).
     prefix_break: PrefixBreak | None = None
+    # When each preemption happened, seconds from arrival (for trace events).
+    preempted_at_s: tuple[float, ...] = ()
 
     @property
     def spec_acceptance_rate(self) -> float | None:
@@ -114,10 +116,12 @@ class RequestMetrics:
             spec_num_draft_tokens=spec[1],
             spec_num_accepted_tokens=spec[2],
             prefix_break=prefix_break,
+            preempted_at_s=tuple((p - arrival) * _NS for p in tl.preempted_ns),
         )
 
     def as_dict(self) -> dict[str, object]:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("itl_s", "prefix_break")}
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("itl_s", "prefix_break",
+                                                                            "preempted_at_s")}
         d["itl_s"] = list(self.itl_s)
         d["prefix_cache"] = self.prefix_break.to_wire() if self.prefix_break is not None else None
         return d

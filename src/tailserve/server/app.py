@@ -52,6 +52,7 @@ from tailserve.server.protocol import (
 )
 from tailserve.server.tool_pruning import ToolRanker, parse_tool_pruning
 from tailserve.server.tools import ChoiceStream, ToolCallingConfig, ToolMode
+from tailserve.server.tracing import RequestTracer, TraceContext
 
 log = logging.getLogger("tailserve.server")
 DEFAULT_MAX_BODY_BYTES = 1 << 20
@@ -78,8 +79,11 @@ class Server:
     def __init__(self, engine: LLMEngine, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  max_waiting_requests: int = 256, start_engine_thread: bool = True,
                  model_aliases: Sequence[str] = (), chat_template: str | None = None,
-                 tool_calling: ToolCallingConfig | None = None, per_request_metrics: bool = False) -> None:
+                 tool_calling: ToolCallingConfig | None = None, per_request_metrics: bool = False,
+                 tracer: RequestTracer | None = None) -> None:
         self.engine = engine
+        # --otlp-traces-endpoint: one span per request, built from its timeline when it finishes.
+        self.tracer = tracer
         # --enable-per-request-metrics: vLLM's per-request ``metrics`` object beside ``timing``.
         self.per_request_metrics = per_request_metrics
         self.async_engine = AsyncEngine(engine, max_waiting_requests, start_thread=start_engine_thread)
@@ -178,6 +182,18 @@ class Server:
             h["Server-Timing"] = st
         return h
 
+    def _trace_context(self, request: Request, rid: str, arrival_ns: int) -> TraceContext | None:
+        if self.tracer is None:
+            return None
+        return self.tracer.context(rid, arrival_ns, request.headers.get("traceparent"), request.url.path)
+
+    def _record_trace(self, trace: TraceContext, outs: Sequence[RequestOutput]) -> None:
+        assert self.tracer is not None
+        try:
+            self.tracer.record(trace, outs, self.model_name)
+        except Exception as e:  # a tracing fault must never fail an answered request
+            log.warning("request %s: span not recorded: %s", trace.request_id, e)
+
     # -- endpoints ------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
         arrival = time.perf_counter_ns()
@@ -186,9 +202,10 @@ class Server:
         greq = completion_request(await self._read_json(request))
         self._check_model(greq.model)
         subs = await self._submit(rid, greq.prompts, greq, arrival)
+        trace = self._trace_context(request, rid, arrival)
         if greq.stream:
-            return StreamingResponse(self._stream(rid, subs, greq, chat=False), media_type="text/event-stream",
-                                     headers=self._headers(rid))
+            return StreamingResponse(self._stream(rid, subs, greq, chat=False, trace=trace),
+                                     media_type="text/event-stream", headers=self._headers(rid))
         outs = await self._collect(request, subs)
         choices = []
         n = greq.params.n
@@ -206,7 +223,7 @@ class Server:
                 choices.append({"index": i * n + c.index, "text": text,
                                 "finish_reason": "length" if greq.score_only else c.finish_reason,
                                 "stop_reason": None if greq.score_only else c.stop_reason, "logprobs": lps})
-        return self._final_json(rid, "text_completion", choices, outs, score_only=greq.score_only)
+        return self._final_json(rid, "text_completion", choices, outs, score_only=greq.score_only, trace=trace)
 
     def _prompt_text(self, prep) -> str:
         if prep.prompt is not None:
@@ -255,8 +272,9 @@ class Server:
                 render_tools is not creq.tools else 0
             extra["tool_pruning"] = pruned.to_wire(saved)
         subs = await self._submit(rid, [prompt_ids], greq, arrival, segments, tools.kv_pin_s)
+        trace = self._trace_context(request, rid, arrival)
         if greq.stream:
-            return StreamingResponse(self._stream(rid, subs, greq, chat=True, tools=tools, extra=extra),
+            return StreamingResponse(self._stream(rid, subs, greq, chat=True, tools=tools, extra=extra, trace=trace),
                                      media_type="text/event-stream", headers=self._headers(rid))
         outs = await self._collect(request, subs)
         choices = []
@@ -273,10 +291,11 @@ class Server:
                             else None})
         if tools.kv_pin_s and not any(ch["finish_reason"] == "tool_calls" for ch in choices):
             self.async_engine.unpin(subs[0][0], greq.params.num_samples)  # a final answer: no pin
-        return self._final_json(rid, "chat.completion", choices, outs, extra=extra)
+        return self._final_json(rid, "chat.completion", choices, outs, extra=extra, trace=trace)
 
     def _final_json(self, rid: str, obj: str, choices: list, outs: list[RequestOutput],
-                    score_only: bool = False, extra: dict[str, Any] | None = None) -> JSONResponse:
+                    score_only: bool = False, extra: dict[str, Any] | None = None,
+                    trace: TraceContext | None = None) -> JSONResponse:
         prompt_tokens = sum(o.num_prompt_tokens for o in outs)
         completion_tokens = 0 if score_only else sum(o.num_output_tokens for o in outs)
         slowest = max((o.metrics for o in outs if o.metrics is not None), key=lambda m: m.e2el_s, default=None)
@@ -289,10 +308,13 @@ class Server:
             body["metrics"] = vllm_metrics(outs)
         if self.engine.config.speculative_synthetic_acceptance is not None:  # LOSSY benchmark mode: labelled
             body["synthetic_acceptance"] = self.engine.config.speculative_synthetic_acceptance
+        if trace is not None:
+            self._record_trace(trace, outs)
         return JSONResponse(body, headers=self._headers(rid, slowest))
 
     async def _stream(self, rid: str, subs, greq: GenerationRequest, chat: bool,
-                      tools: ToolMode | None = None, extra: dict[str, Any] | None = None) -> AsyncIterator[bytes]:
+                      tools: ToolMode | None = None, extra: dict[str, Any] | None = None,
+                      trace: TraceContext | None = None) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
         finals: list[RequestOutput] = []
@@ -393,6 +415,8 @@ class Server:
                     self.async_engine.unpin(sub_id, greq.params.num_samples)
         finally:
             await events.aclose()  # client gone or stream done: aborts whatever is unfinished
+            if trace is not None and finals:
+                self._record_trace(trace, finals)
 
     async def _events(self, subs) -> AsyncIterator[tuple[int, RequestOutput | Exception]]:
         """(choice index, output or error) from every sub-request, in arrival order."""

@@ -31,6 +31,7 @@ from tailserve.engine.llm_engine import LLMEngine
 from tailserve.errors import ConfigError
 from tailserve.server.app import Server, build_app
 from tailserve.server.tools import ToolCallingConfig
+from tailserve.server.tracing import RequestTracer
 
 log = logging.getLogger("tailserve.server")
 
@@ -49,7 +50,8 @@ def resolve_http2_port(port: int, http2_port: int | None) -> int:
 def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000, http2_port: int | None = None,
                api_key: str | None = None, max_body_bytes: int = 1 << 20, max_waiting_requests: int = 256,
                access_log: bool = False, model_aliases: Sequence[str] = (), chat_template: str | None = None,
-               tool_calling: ToolCallingConfig | None = None, per_request_metrics: bool = False) -> None:
+               tool_calling: ToolCallingConfig | None = None, per_request_metrics: bool = False,
+               tracer: RequestTracer | None = None) -> None:
     """Serve until SIGINT/SIGTERM. ``http2_port``: None = port + 1, 0 = no h2c listener."""
     http2_port = resolve_http2_port(port, http2_port)
     check_bindable(host, port)
@@ -80,7 +82,9 @@ def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000, htt
     sys.setswitchinterval(0.0005)
     server = Server(engine, api_key=api_key, max_body_bytes=max_body_bytes, max_waiting_requests=max_waiting_requests,
                     start_engine_thread=False, model_aliases=model_aliases, chat_template=chat_template,
-                    tool_calling=tool_calling, per_request_metrics=per_request_metrics)
+                    tool_calling=tool_calling, per_request_metrics=per_request_metrics, tracer=tracer)
+    if tracer is not None:
+        log.info("traces: one span per request to %s (OTLP/HTTP)", tracer.endpoint)
     if tool_calling is not None and tool_calling.enable_auto_tool_choice:
         log.info("tool calling: tool_choice auto parsed with the %s parser", tool_calling.tool_call_parser)
     app = build_app(server)
@@ -163,6 +167,8 @@ def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000, htt
         stop()
         thread.join(timeout=30)
         engine.shutdown()
+        if tracer is not None:
+            tracer.shutdown()  # the spans still batched go out
     if failure:
         raise SystemExit(f"tailserve: error: HTTP server failed: {failure[0]}")
     if server.async_engine.dead is not None:
