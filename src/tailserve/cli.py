@@ -33,6 +33,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--prefix-caching-hash-algo", choices=["builtin", "sha256_cbor_64bit"], default=None,
+                   help="the prefix cache's block hash: builtin (Python's hash, fastest) or sha256_cbor_64bit "
+                        "(what llm-d's KV-cache indexer recomputes; seed PYTHONHASHSEED). Default: "
+                        "sha256_cbor_64bit with --kv-events-config, else builtin")
+    g.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="publish KV-cache events (BlockStored, BlockRemoved, AllBlocksCleared) over ZMQ as vLLM does, "
+                        "for prefix-aware routers, e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": "
+                        "\"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' (needs pip install "
+                        "'tailserve[kv-events]')")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--cuda-alloc-conf", default=None,
@@ -123,6 +132,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         speculative_synthetic_acceptance=args.speculative_synthetic_acceptance,
         speculative_verification=args.speculative_verification,
         speculative_objective=args.speculative_objective, slo=args.slo,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo, kv_events_config=args.kv_events_config,
     )
 
 
@@ -246,6 +256,9 @@ def _serve_on_ray(args: argparse.Namespace, tools: dict[str, object]) -> int:
         raise ConfigError("--http2-port: Ray Serve's proxy speaks HTTP/1.1 only; drop it with --ray-replicas")
     if args.access_log:
         raise ConfigError("--access-log: Ray Serve logs each request itself; drop it with --ray-replicas")
+    if args.kv_events_config is not None:
+        raise ConfigError("--kv-events-config is not available with --ray-replicas yet (each replica would need "
+                          "its own endpoint); drop one of them")
     if args.otlp_traces_endpoint is not None:
         raise ConfigError("--otlp-traces-endpoint is not available with --ray-replicas yet (each replica would "
                           "need its own exporter); drop one of them")

@@ -101,6 +101,63 @@ def decode_graph_batch_sizes(max_num_seqs: int, largest: int = 256) -> list[int]
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's ``--kv-events-config`` (same JSON fields and defaults): publish the prefix cache's
+    block events over ZMQ for KV-aware routers (engine/kv_event_publisher.py)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # "zmq" or "null"; None: zmq when events are enabled
+    endpoint: str = "tcp://*:5557"  # PUB socket: bound when it has * or :: (or ipc/inproc), else connected
+    replay_endpoint: str | None = None  # ROUTER socket for resync: batches from a sequence number on
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark
+    max_queue_size: int = 100_000  # batches queued for the publisher thread
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
+        if self.publisher not in ("zmq", "null"):
+            raise ConfigError(f"kv events: publisher must be zmq or null, got {self.publisher!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"kv events: {name} must be a positive integer, got {v!r}")
+        for name in ("endpoint", "replay_endpoint"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v.startswith(("tcp://", "ipc://", "inproc://"))):
+                raise ConfigError(f"kv events: {name} must be a ZMQ address (tcp://, ipc:// or inproc://), got {v!r}")
+        if not isinstance(self.enable_kv_cache_events, bool) or not isinstance(self.topic, str):
+            raise ConfigError("kv events: enable_kv_cache_events is a boolean and topic a string")
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def from_json(cls, text: str) -> KVEventsConfig:
+        """The JSON object vLLM's flag takes; an unknown field is an error, not ignored."""
+        import json
+
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--kv-events-config: not JSON ({e.msg} at character {e.pos})") from None
+        if not isinstance(obj, dict):
+            raise ConfigError("--kv-events-config: a JSON object, e.g. "
+                              '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'')
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(obj) - known)
+        if unknown:
+            raise ConfigError(f"--kv-events-config: unknown field(s) {', '.join(unknown)} (known: "
+                              f"{', '.join(sorted(known))})")
+        return cls(**obj)
+
+
+PREFIX_CACHING_HASH_ALGOS = ("builtin", "sha256_cbor_64bit")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str
     dtype: str = "auto"
@@ -204,6 +261,14 @@ class EngineConfig:
     # Tensor parallelism: one process per rank (engine/tensor_parallel.py); gloo on the
     # CPU, NCCL on CUDA (rank r on cuda:r). kv_cache_memory_bytes is per rank.
     tensor_parallel_size: int = 1
+    # KV-cache events for prefix-aware routers (vLLM's --kv-events-config): a KVEventsConfig
+    # or its JSON text. See engine/kv_event_publisher.py.
+    kv_events_config: KVEventsConfig | str | None = None
+    # The prefix cache's block hash (vLLM's --prefix-caching-hash-algo; memory/block_hash.py):
+    # "builtin" (Python's hash: fastest, not recomputable outside CPython) or
+    # "sha256_cbor_64bit" (what llm-d's KV-cache indexer recomputes). None: sha256_cbor_64bit
+    # when KV events are published, else builtin.
+    prefix_caching_hash_algo: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str | pathlib.Path) or not str(self.model):
@@ -241,6 +306,19 @@ class EngineConfig:
                 and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
         _ = self.scheduler_config  # validates the scheduler fields
+        kv_events = self.kv_events_config
+        if isinstance(kv_events, str):
+            kv_events = KVEventsConfig.from_json(kv_events)
+        elif kv_events is not None and not isinstance(kv_events, KVEventsConfig):
+            raise ConfigError("kv_events_config must be a KVEventsConfig or its JSON text")
+        object.__setattr__(self, "kv_events_config", kv_events)
+        algo = self.prefix_caching_hash_algo
+        if algo is None:
+            algo = "sha256_cbor_64bit" if kv_events is not None and kv_events.enabled else "builtin"
+        if algo not in PREFIX_CACHING_HASH_ALGOS:
+            raise ConfigError(f"prefix_caching_hash_algo must be one of {', '.join(PREFIX_CACHING_HASH_ALGOS)}, "
+                              f"got {algo!r}")
+        object.__setattr__(self, "prefix_caching_hash_algo", algo)
         method = self.speculative_method
         if method is None and self.speculative_model is not None:
             method = "draft_model"

@@ -28,7 +28,9 @@ from tailserve.engine.scheduler_output import (
     StepCost,
 )
 from tailserve.errors import InvalidRequestError, TailserveError
+from tailserve.memory.block_hash import block_hash_fn
 from tailserve.memory.block_pool import BlockPool
+from tailserve.memory.kv_events import KVEventLog
 from tailserve.metrics.timeline import StepStats
 from tailserve.sampling_params import SamplingParams
 from tailserve.speculative.adaptive import AdaptiveSpeculation
@@ -78,7 +80,10 @@ class EngineCore:
         self.max_model_len = info.max_model_len
         eos = set(info.arch.eos_token_ids) or set(eos_token_ids or ())
         self.eos_token_ids = frozenset(eos)
-        self.block_pool = BlockPool(info.num_blocks, config.block_size, config.enable_prefix_caching)
+        kv_events = config.kv_events_config
+        self.block_pool = BlockPool(info.num_blocks, config.block_size, config.enable_prefix_caching,
+                                    hash_fn=block_hash_fn(config.prefix_caching_hash_algo),  # type: ignore[arg-type]
+                                    events=KVEventLog() if kv_events is not None and kv_events.enabled else None)
         if speculation is None and info.has_proposer:
             speculation = AdaptiveSpeculation(k_max=config.num_speculative_tokens or config.speculative_max_tokens,
                                               fixed_k=config.num_speculative_tokens,

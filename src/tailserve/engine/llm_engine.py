@@ -21,6 +21,7 @@ import torch
 from tailserve.assets import resolve_model_path
 from tailserve.config import EngineConfig
 from tailserve.engine.core import EngineCore, EngineStepError
+from tailserve.engine.kv_event_publisher import KVEventPublisher
 from tailserve.engine.output_processor import OutputProcessor
 from tailserve.engine.parallel_sampling import child_params, child_request_id
 from tailserve.engine.processor import PreparedRequest, Processor, Prompt
@@ -49,7 +50,17 @@ class LLMEngine:
         model_dir = pathlib.Path(resolve_model_path(config.model))
         self.tokenizer = Tokenizer.maybe_load(model_dir)
         tok_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
-        self.core = EngineCore(config, frozenset() if tok_eos is None else frozenset({tok_eos}))
+        # KV events: sockets opened before the model loads, so a port in use fails at once.
+        self.kv_events: KVEventPublisher | None = None
+        if config.kv_events_config is not None and config.kv_events_config.enabled:
+            self.kv_events = KVEventPublisher(config.kv_events_config,
+                                              medium="GPU" if config.device.startswith("cuda") else "CPU")
+        try:
+            self.core = EngineCore(config, frozenset() if tok_eos is None else frozenset({tok_eos}))
+        except BaseException:
+            if self.kv_events is not None:
+                self.kv_events.shutdown()
+            raise
         info = self.info = self.core.info
         self.model_dir = info.model_dir
         self.max_model_len = self.core.max_model_len
@@ -219,8 +230,11 @@ class LLMEngine:
         self.core.worker.check_health()
 
     def shutdown(self) -> None:
-        """Stop what outlives the engine object (tensor-parallel worker processes)."""
+        """Stop what outlives the engine object (tensor-parallel worker processes, the KV
+        event publisher)."""
         self.core.worker.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
 
     def request_ids(self) -> list[str]:
         """Requests in flight, by the ids callers gave them."""
@@ -265,6 +279,10 @@ class LLMEngine:
         if to_stop:
             self.core.finish_requests(to_stop, RequestStatus.FINISHED_STOPPED)
         self.core.end_step()
+        if self.kv_events is not None:
+            events = self.core.block_pool.events
+            if events:
+                self.kv_events.publish(events.drain())
         if self.allocator_monitor is not None:
             self.allocator_monitor.maybe_sample(self.core.num_steps)
         if self.prometheus is not None and core_outputs and self.core.step_log:

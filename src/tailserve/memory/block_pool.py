@@ -2,7 +2,7 @@
 
 A block holds ``block_size`` tokens' K/V in every layer. Requests own blocks through their
 block tables; a full block whose tokens are known gets a *chained* hash,
-``hash(parent_hash, token_ids)``, so equal hashes mean equal whole prefixes. On a hash hit
+``hash(parent_hash, token_ids)`` (memory/block_hash.py), so equal hashes mean equal whole prefixes. On a hash hit
 the token ids are compared too, so even a hash collision never shares the wrong block.
 Freed blocks that carry a hash stay in the free queue, reusable, until they are evicted
 least recently used first; blocks without a hash are handed out before any cached one.
@@ -19,12 +19,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-BlockHash = int
-HashFn = Callable[[BlockHash | None, tuple[int, ...]], BlockHash]
-
-
-def default_block_hash(parent: BlockHash | None, token_ids: tuple[int, ...]) -> BlockHash:
-    return hash((parent, token_ids))
+from tailserve.memory.block_hash import BlockHash, HashFn, builtin_block_hash
+from tailserve.memory.kv_events import KVEventLog
 
 
 @dataclass
@@ -59,8 +55,10 @@ class BlockPool:
     num_blocks: int
     block_size: int
     enable_prefix_caching: bool = True
-    hash_fn: HashFn = default_block_hash
+    hash_fn: HashFn = builtin_block_hash
     clock: Callable[[], float] = time.monotonic  # for pins' expiry
+    # Where cache_block and evictions are announced (KV events for routers); None: nowhere.
+    events: KVEventLog | None = None
     blocks: list[Block] = field(init=False)
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
 
@@ -95,6 +93,10 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
+    def cached_block_hashes(self) -> set[BlockHash]:
+        """The hashes a prompt can hit now (what KV events let a router rebuild)."""
+        return set(self._cached)
+
     # -- allocation ----------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
         """Take n free blocks (ref count 1). Raises if fewer are free: callers check first."""
@@ -120,6 +122,8 @@ class BlockPool:
     def _evict(self, block: Block) -> None:
         if self._cached.get(block.block_hash) == block.block_id:  # type: ignore[arg-type]
             del self._cached[block.block_hash]  # type: ignore[arg-type]
+            if self.events is not None:
+                self.events.removed(block.block_hash)  # type: ignore[arg-type]
             assert block.token_ids is not None
             by_first = self._children[block.parent_hash]
             ids = by_first[block.token_ids[0]]
@@ -254,6 +258,8 @@ class BlockPool:
         block.parent_hash = parent_hash
         self._cached[block_hash] = block_id
         self._children.setdefault(parent_hash, {}).setdefault(token_ids[0], set()).add(block_id)
+        if self.events is not None:
+            self.events.stored(block_hash, parent_hash, token_ids, self.block_size)
 
     def first_divergence(self, token_ids: Sequence[int], num_hits: int, parent_hash: BlockHash | None) -> int:
         """The first token of ``token_ids`` past its ``num_hits`` cached leading blocks (the

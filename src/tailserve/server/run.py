@@ -85,6 +85,10 @@ def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000, htt
                     tool_calling=tool_calling, per_request_metrics=per_request_metrics, tracer=tracer)
     if tracer is not None:
         log.info("traces: one span per request to %s (OTLP/HTTP)", tracer.endpoint)
+    if engine.kv_events is not None:
+        kc = engine.kv_events.config
+        log.info("KV events: published on %s (replay %s, topic %r), block hash %s", kc.endpoint,
+                 kc.replay_endpoint or "off", kc.topic, engine.config.prefix_caching_hash_algo)
     if tool_calling is not None and tool_calling.enable_auto_tool_choice:
         log.info("tool calling: tool_choice auto parsed with the %s parser", tool_calling.tool_call_parser)
     app = build_app(server)
