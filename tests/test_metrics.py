@@ -198,3 +198,49 @@ def test_vllms_metrics_object_has_its_meanings_and_round_trips():
     # vLLM sends every field null when its engine kept no timestamps: not a timing.
     assert WireTiming.from_vllm_metrics(dict.fromkeys(m)) is None
     assert WireTiming.from_vllm_metrics({}) is None
+
+
+def test_custom_histogram_buckets_replace_a_familys_buckets_and_the_vllm_mirrors_follow():
+    from tailserve.config import EngineConfig
+    from tailserve.metrics.prometheus import PrometheusMetrics, latency_buckets
+
+    cfg = EngineConfig(model="m", custom_histogram_buckets='{"request_latency": [0.05, 0.1, 0.25], '
+                                                           '"time_to_first_token": [0.02, 0.2]}')
+    prom = PrometheusMetrics("tiny", cfg.custom_histogram_buckets)
+    prom.enable_gateway_metrics(16, 64, True)
+    rm = RequestMetrics(request_id="r", num_prompt_tokens=10, num_cached_tokens=0, num_output_tokens=3,
+                        queue_s=0.01, prefill_s=0.03, ttft_s=0.04, decode_s=0.08, e2el_s=0.12, tpot_s=0.04,
+                        itl_s=(0.04, 0.04), num_preemptions=0, preempted_s=0.0)
+    prom.observe_finished(rm)
+    les: dict[str, list[float]] = {}
+    counts: dict[tuple[str, float], float] = {}
+    for fam in text_string_to_metric_families(prom.exposition().decode()):
+        for s in fam.samples:
+            if s.name.endswith("_bucket"):
+                le = float(s.labels["le"])
+                les.setdefault(s.name, []).append(le)
+                counts[(s.name, le)] = s.value
+    inf = float("inf")
+    for name in ("tailserve:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
+                 "tailserve:request_queue_time_seconds_bucket", "vllm:request_decode_time_seconds_bucket"):
+        assert les[name] == [0.05, 0.1, 0.25, inf], name
+    assert les["tailserve:time_to_first_token_seconds_bucket"] == [0.02, 0.2, inf]
+    assert les["vllm:inter_token_latency_seconds_bucket"] == [*latency_buckets(), inf]  # not listed: default
+    # the observation lands in the new buckets: e2e 0.12 s above 0.1, within 0.25
+    assert counts[("vllm:e2e_request_latency_seconds_bucket", 0.1)] == 0
+    assert counts[("vllm:e2e_request_latency_seconds_bucket", 0.25)] == 1
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"iteration_tokens": [1, 2]}', "has no iteration_tokens histogram"),
+    ('{"request_latncy": [1]}', "unknown family 'request_latncy'"),
+    ('{"request_latency": [0.5, 0.1]}', "increasing"),
+    ('{"request_latency": []}', "non-empty"),
+    ("[0.1, 1]", "a JSON object of families"),
+])
+def test_custom_histogram_buckets_refuse_what_they_cannot_apply(text, message):
+    from tailserve.config import EngineConfig
+    from tailserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(model="m", custom_histogram_buckets=text)

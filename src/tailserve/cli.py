@@ -205,6 +205,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineConfig(model=args.model or "builtin", served_model_name=names[0] if names else None,
                                     enable_metrics=not args.disable_metrics, gateway_metrics=args.gateway_metrics,
                                     record_memory_history=args.record_memory_history, warmup=not args.no_warmup,
+                                    custom_histogram_buckets=args.custom_histogram_buckets,
                                     **kw))  # type: ignore[arg-type]
     aliases = [*names[1:], engine.model_dir.name]
     run_server(engine, host=args.host, port=args.port, http2_port=http2_port, api_key=args.api_key,
@@ -273,7 +274,8 @@ def _serve_on_ray(args: argparse.Namespace, tools: dict[str, object]) -> int:
     check_bindable(args.host, args.port)
     kw = _engine_kwargs(args)
     kw.update(model=args.model, enable_metrics=not args.disable_metrics, gateway_metrics=args.gateway_metrics,
-              record_memory_history=args.record_memory_history, warmup=not args.no_warmup)
+              record_memory_history=args.record_memory_history, warmup=not args.no_warmup,
+              custom_histogram_buckets=args.custom_histogram_buckets)
     names = list(args.served_model_name or ([args.model] if args.model else ["builtin"]))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     ray.init(num_cpus=max(cores, args.ray_replicas), include_dashboard=False)
@@ -496,6 +498,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also export the load gauges Kubernetes inference gateways read, under vLLM's names "
                           "(vllm:num_requests_waiting, vllm:num_requests_running, vllm:kv_cache_usage_perc, "
                           "vllm:cache_config_info); see docs/scaling.md")
+    srv.add_argument("--custom-histogram-buckets", default=None, metavar="JSON",
+                     help="replace the default buckets of a family of Prometheus histograms (vLLM's flag), e.g. "
+                          "'{\"request_latency\": [0.01, 0.05, 0.1, 0.25, 0.5, 1, 5, 30]}'; families: "
+                          "request_latency, time_to_first_token, inter_token_latency, request_tokens, engine_step. "
+                          "The vllm:* mirrors under --gateway-metrics follow")
     srv.add_argument("--enable-per-request-metrics", action="store_true",
                      help="also answer with vLLM's per-request 'metrics' object (queue_time_ms, "
                           "time_to_first_token_ms from scheduling, generation_time_ms, mean_itl_ms, "

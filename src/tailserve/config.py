@@ -156,6 +156,49 @@ class KVEventsConfig:
 
 PREFIX_CACHING_HASH_ALGOS = ("builtin", "sha256_cbor_64bit")
 
+# The histogram families of vLLM's --custom-histogram-buckets (vllm/v1/metrics/buckets.py's
+# names) that tailserve has, and the histograms each covers (metrics/prometheus.py; the
+# vllm:* mirrors under --gateway-metrics follow theirs).
+HISTOGRAM_FAMILIES = {
+    "request_latency": "e2e latency, queue, prefill, decode and inference time",
+    "time_to_first_token": "time to first token",
+    "inter_token_latency": "inter-token latency and time per output token",
+    "request_tokens": "prompt and generation tokens per request",
+    "engine_step": "engine step duration (tailserve's own)",
+}
+# vLLM families with no tailserve histogram: named in the error rather than ignored.
+_VLLM_ONLY_FAMILIES = ("iteration_tokens", "request_params_n", "kv_cache_residency")
+
+
+def parse_histogram_buckets(text: str) -> tuple[tuple[str, tuple[float, ...]], ...]:
+    """vLLM's ``--custom-histogram-buckets`` JSON: ``{"family": [upper bounds, ...]}``; a
+    listed family replaces its default buckets in every histogram of the family."""
+    import itertools
+    import json
+    import math
+
+    flag = "--custom-histogram-buckets"
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{flag}: not JSON ({e.msg} at character {e.pos})") from None
+    if not isinstance(obj, dict) or not obj:
+        raise ConfigError(f'{flag}: a JSON object of families, e.g. \'{{"request_latency": [0.01, 0.05, 0.1, 1]}}\'')
+    out = []
+    for family, bounds in obj.items():
+        if family in _VLLM_ONLY_FAMILIES:
+            raise ConfigError(f"{flag}: tailserve has no {family} histogram (families: "
+                              f"{', '.join(HISTOGRAM_FAMILIES)})")
+        if family not in HISTOGRAM_FAMILIES:
+            raise ConfigError(f"{flag}: unknown family {family!r} (families: {', '.join(HISTOGRAM_FAMILIES)})")
+        if not isinstance(bounds, list) or not bounds or not all(
+                isinstance(b, int | float) and not isinstance(b, bool) and math.isfinite(b) and b > 0
+                for b in bounds) or any(a >= b for a, b in itertools.pairwise(bounds)):
+            raise ConfigError(f"{flag}: {family} needs a non-empty list of positive, finite, increasing upper "
+                              f"bounds, got {bounds!r}")
+        out.append((family, tuple(float(b) for b in bounds)))
+    return tuple(out)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -261,6 +304,9 @@ class EngineConfig:
     # Tensor parallelism: one process per rank (engine/tensor_parallel.py); gloo on the
     # CPU, NCCL on CUDA (rank r on cuda:r). kv_cache_memory_bytes is per rank.
     tensor_parallel_size: int = 1
+    # Prometheus histogram buckets per family (vLLM's --custom-histogram-buckets): its JSON
+    # text, or the parsed ((family, bounds), ...). None: tailserve's defaults (metrics/prometheus.py).
+    custom_histogram_buckets: str | tuple[tuple[str, tuple[float, ...]], ...] | None = None
     # KV-cache events for prefix-aware routers (vLLM's --kv-events-config): a KVEventsConfig
     # or its JSON text. See engine/kv_event_publisher.py.
     kv_events_config: KVEventsConfig | str | None = None
@@ -306,6 +352,10 @@ class EngineConfig:
                 and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
         _ = self.scheduler_config  # validates the scheduler fields
+        if isinstance(self.custom_histogram_buckets, str):
+            object.__setattr__(self, "custom_histogram_buckets", parse_histogram_buckets(self.custom_histogram_buckets))
+        if self.custom_histogram_buckets and not self.enable_metrics:
+            raise ConfigError("custom_histogram_buckets sets the buckets of metrics: drop --disable-metrics")
         kv_events = self.kv_events_config
         if isinstance(kv_events, str):
             kv_events = KVEventsConfig.from_json(kv_events)

@@ -71,7 +71,8 @@ class LLMEngine:
                                    info.num_blocks, str(self.model_dir), self.grammar_compiler)
         self.model_name = config.served_model_name or self.model_dir.name
         self.metrics_enabled = config.enable_metrics
-        self.prometheus = PrometheusMetrics(self.model_name) if config.enable_metrics else None
+        self.prometheus = PrometheusMetrics(self.model_name, config.custom_histogram_buckets) \
+            if config.enable_metrics else None  # type: ignore[arg-type]
         if self.prometheus is not None and config.gateway_metrics:
             self.prometheus.enable_gateway_metrics(config.block_size, info.num_blocks, config.enable_prefix_caching)
         self.output_processor = OutputProcessor(self.tokenizer, self.prometheus)

@@ -9,6 +9,7 @@ Exact and sketch percentiles are in ``tailserve.metrics.quantiles``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -132,26 +133,39 @@ class _GatewayCollector:
 
 
 class PrometheusMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str,
+                 custom_buckets: Sequence[tuple[str, Sequence[float]]] | None = None) -> None:
+        """``custom_buckets``: (family, upper bounds) pairs (``--custom-histogram-buckets``,
+        config.HISTOGRAM_FAMILIES) replacing the default buckets of every histogram of a family."""
         self.registry = CollectorRegistry()
         r, lab = self.registry, ["model_name"]
-        lat = latency_buckets()
+        lat, tok = latency_buckets(), token_buckets()
+        fam = {"request_latency": lat, "time_to_first_token": lat, "inter_token_latency": lat,
+               "request_tokens": tok, "engine_step": lat}
+        fam.update({f: list(b) for f, b in custom_buckets or ()})
+        self.histogram_buckets = fam
 
-        def hist(name: str, doc: str, buckets: list[float] = lat) -> Histogram:
-            return Histogram(name, doc, lab, buckets=buckets, registry=r)
+        def hist(name: str, doc: str, family: str) -> Histogram:
+            return Histogram(name, doc, lab, buckets=fam[family], registry=r)
 
-        self.ttft = hist("tailserve:time_to_first_token_seconds", "Time to first token (arrival to first token).")
-        self.itl = hist("tailserve:inter_token_latency_seconds", "Time between consecutive output tokens.")
+        self.ttft = hist("tailserve:time_to_first_token_seconds", "Time to first token (arrival to first token).",
+                         "time_to_first_token")
+        self.itl = hist("tailserve:inter_token_latency_seconds", "Time between consecutive output tokens.",
+                        "inter_token_latency")
         self.tpot = hist("tailserve:request_time_per_output_token_seconds",
-                         "Decode time / (output tokens - 1), per request.")
-        self.e2el = hist("tailserve:e2e_request_latency_seconds", "Arrival to last token, per request.")
-        self.queue = hist("tailserve:request_queue_time_seconds", "Arrival to first scheduled.")
-        self.prefill = hist("tailserve:request_prefill_time_seconds", "First scheduled to first token.")
-        self.decode = hist("tailserve:request_decode_time_seconds", "First token to last token.")
-        self.inference = hist("tailserve:request_inference_time_seconds", "First scheduled to last token.")
-        self.prompt_len = hist("tailserve:request_prompt_tokens", "Prompt tokens per request.", token_buckets())
-        self.gen_len = hist("tailserve:request_generation_tokens", "Output tokens per request.", token_buckets())
-        self.step_time = hist("tailserve:engine_step_duration_seconds", "Wall time of one engine step.")
+                         "Decode time / (output tokens - 1), per request.", "inter_token_latency")
+        self.e2el = hist("tailserve:e2e_request_latency_seconds", "Arrival to last token, per request.",
+                         "request_latency")
+        self.queue = hist("tailserve:request_queue_time_seconds", "Arrival to first scheduled.", "request_latency")
+        self.prefill = hist("tailserve:request_prefill_time_seconds", "First scheduled to first token.",
+                            "request_latency")
+        self.decode = hist("tailserve:request_decode_time_seconds", "First token to last token.", "request_latency")
+        self.inference = hist("tailserve:request_inference_time_seconds", "First scheduled to last token.",
+                              "request_latency")
+        self.prompt_len = hist("tailserve:request_prompt_tokens", "Prompt tokens per request.", "request_tokens")
+        self.gen_len = hist("tailserve:request_generation_tokens", "Output tokens per request.", "request_tokens")
+        self.step_time = hist("tailserve:engine_step_duration_seconds", "Wall time of one engine step.",
+                              "engine_step")
 
         self.prompt_tokens = Counter("tailserve:prompt_tokens", "Prompt tokens of finished requests.", lab, registry=r)
         self.generation_tokens = Counter("tailserve:generation_tokens", "Generated tokens.", lab, registry=r)
