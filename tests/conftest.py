@@ -308,3 +308,44 @@ def serve_in_thread(server) -> Iterator[str]:
         srv.should_exit = True
         thread.join(timeout=10)
         server.async_engine.shutdown()
+
+
+class OTLPCollector:
+    """An OTLP/HTTP traces collector on 127.0.0.1 (stdlib HTTP server): ``url`` to export to,
+    ``spans()`` the spans received so far, decoded with OpenTelemetry's protobuf types."""
+
+    def __init__(self) -> None:
+        import http.server
+
+        received = self.received = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                received.append((self.path, self.headers.get("Content-Type"), body))
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1/traces"
+
+    def spans(self) -> list:
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+        out = []
+        for path, ctype, body in list(self.received):
+            assert path == "/v1/traces" and ctype == "application/x-protobuf", (path, ctype)
+            req = ExportTraceServiceRequest()
+            req.ParseFromString(body)
+            out += [s for rs in req.resource_spans for ss in rs.scope_spans for s in ss.spans]
+        return out
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

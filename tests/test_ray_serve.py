@@ -32,14 +32,24 @@ def test_routing_text_and_prefix_hashes():
 
 
 @pytest.fixture(scope="module")
-def endpoint():
+def collector():
+    from conftest import OTLPCollector
+
+    c = OTLPCollector()
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def endpoint(collector):
     from tailserve.bench.local_server import free_port
 
     port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 << 20, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_openai_app(num_replicas=2, engine_kwargs={"kv_cache_memory_bytes": 64 << 20}),
+        serve.run(build_openai_app(num_replicas=2, engine_kwargs={"kv_cache_memory_bytes": 64 << 20},
+                                   server_kwargs={"otlp_traces_endpoint": collector.url}),
                   route_prefix="/", name="tailserve")
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -84,3 +94,29 @@ def test_errors_and_streams_pass_through_unchanged(endpoint):
     full = client.completions.create(model="builtin", prompt="def add(a, b):", max_tokens=8, temperature=0)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
     assert httpx.get(endpoint + "/v1/models").json()["data"][0]["id"] == "builtin"
+
+
+def test_each_replica_exports_spans_that_continue_the_callers_trace(endpoint, collector):
+    import time
+
+    import httpx
+
+    from tailserve.bench.client import new_traceparent
+
+    def one(i: int) -> tuple[str, str]:
+        tp = new_traceparent()
+        r = httpx.post(endpoint + "/v1/completions", json={"prompt": f"def g{i}(y):", "max_tokens": 2},
+                       headers={"traceparent": tp}, timeout=120)
+        assert r.status_code == 200
+        return tp.split("-")[1], r.headers[REPLICA_HEADER]
+
+    with ThreadPoolExecutor(6) as pool:  # distinct prompts, concurrently: both replicas serve some
+        sent = dict(pool.map(one, range(12)))
+    deadline = time.monotonic() + 20  # the SDK exports its batch every 5 s
+    while time.monotonic() < deadline:
+        got = {s.trace_id.hex() for s in collector.spans()}
+        if set(sent) <= got:
+            break
+        time.sleep(0.5)
+    assert set(sent) <= got, (sent, got)
+    assert len(set(sent.values())) == 2  # spans came from both replicas

@@ -5,9 +5,6 @@ over real OTLP/HTTP to a collector on 127.0.0.1."""
 from __future__ import annotations
 
 import asyncio
-import http.server
-import threading
-from typing import ClassVar
 
 import httpx
 import pytest
@@ -137,50 +134,24 @@ def test_bench_records_the_users_own_traceparent(traced_server):
 
 
 # -- the CLI flag, exported over OTLP/HTTP to a collector on 127.0.0.1 ------------------------
-class _Collector(http.server.BaseHTTPRequestHandler):
-    received: ClassVar[list[tuple[str, str | None, bytes]]] = []
-
-    def do_POST(self):
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        type(self).received.append((self.path, self.headers.get("Content-Type"), body))
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.mark.slow
 def test_serve_exports_spans_over_otlp_http(llama_checkpoint):
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
+    from conftest import OTLPCollector
     from tailserve.bench.local_server import LocalServer
 
-    _Collector.received = []
-    collector = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
-    threading.Thread(target=collector.serve_forever, daemon=True).start()
-    endpoint = f"http://127.0.0.1:{collector.server_address[1]}/v1/traces"
+    collector = OTLPCollector()
     path, _ = llama_checkpoint
     tp = new_traceparent()
     try:
         with LocalServer(["--model", str(path), "--dtype", "float32", "--no-warmup", "--kv-cache-memory", "4MiB",
-                          "--otlp-traces-endpoint", endpoint]) as srv:
+                          "--otlp-traces-endpoint", collector.url]) as srv:
             r = httpx.post(srv.url + "/v1/completions", json={"prompt": "a b", "max_tokens": 2},
                            headers={"traceparent": tp, "X-Request-Id": "otlp-1"}, timeout=60)
             assert r.status_code == 200
         # the server's shutdown flushes the batch
+        (span,) = collector.spans()
     finally:
-        collector.shutdown()
-    assert _Collector.received, "no export reached the collector"
-    spans = []
-    for path_, ctype, body in _Collector.received:
-        assert path_ == "/v1/traces" and ctype == "application/x-protobuf"
-        req = ExportTraceServiceRequest()
-        req.ParseFromString(body)
-        spans += [s for rs in req.resource_spans for ss in rs.scope_spans for s in ss.spans]
-    (span,) = spans
+        collector.close()
     assert span.trace_id.hex() == tp.split("-")[1]
     assert {a.key: a.value.string_value for a in span.attributes}["gen_ai.request.id"] == "otlp-1"
     assert [e.name for e in span.events][-1] == "finished"

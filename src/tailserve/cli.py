@@ -261,8 +261,9 @@ def _serve_on_ray(args: argparse.Namespace, tools: dict[str, object]) -> int:
         raise ConfigError("--kv-events-config is not available with --ray-replicas yet (each replica would need "
                           "its own endpoint); drop one of them")
     if args.otlp_traces_endpoint is not None:
-        raise ConfigError("--otlp-traces-endpoint is not available with --ray-replicas yet (each replica would "
-                          "need its own exporter); drop one of them")
+        from tailserve.server.tracing import RequestTracer
+
+        RequestTracer(args.otlp_traces_endpoint).shutdown()  # the URL and the extra, checked before Ray starts
     try:
         import ray
         from ray import serve
@@ -285,7 +286,8 @@ def _serve_on_ray(args: argparse.Namespace, tools: dict[str, object]) -> int:
         num_cpus_per_replica=max(cores, args.ray_replicas) / args.ray_replicas,
         server_kwargs={"api_key": args.api_key, "max_body_bytes": parse_bytes(args.max_request_body),
                        "max_waiting_requests": args.max_waiting_requests,
-                       "per_request_metrics": args.enable_per_request_metrics, **tools}), route_prefix="/",
+                       "per_request_metrics": args.enable_per_request_metrics,
+                       "otlp_traces_endpoint": args.otlp_traces_endpoint, **tools}), route_prefix="/",
         name="tailserve")
     print(f"serving {names[0]} on http://{args.host}:{args.port} with {args.ray_replicas} Ray Serve replicas",
           file=sys.stderr)

@@ -145,8 +145,16 @@ class TailserveReplica:
         model = kwargs.pop("model", None) or "builtin"
         names = list(served_model_names or [model])
         self.engine = LLMEngine(EngineConfig(model=model, served_model_name=names[0], **kwargs))
+        server_kw = dict(server_kwargs or {})
+        # Each replica exports its own spans to the one collector (--otlp-traces-endpoint).
+        endpoint = server_kw.pop("otlp_traces_endpoint", None)
+        tracer = None
+        if endpoint is not None:
+            from tailserve.server.tracing import RequestTracer
+
+            tracer = RequestTracer(endpoint)
         self.server = Server(self.engine, start_engine_thread=True,
-                             model_aliases=[*names[1:], self.engine.model_dir.name], **(server_kwargs or {}))
+                             model_aliases=[*names[1:], self.engine.model_dir.name], tracer=tracer, **server_kw)
         self.app = build_app(self.server)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
 
