@@ -22,6 +22,10 @@ from collections.abc import Iterator
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+# Engines keep their thread count fixed in tests: tests that compare two engines' outputs must
+# not see one of them re-size its thread pool because other tests load the machine (the
+# governor itself is tested directly, tests/test_cpu_threads.py).
+os.environ.setdefault("TAILSERVE_CPU_THREADS_ADAPT", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -304,6 +304,9 @@ class EngineConfig:
     # Tensor parallelism: one process per rank (engine/tensor_parallel.py); gloo on the
     # CPU, NCCL on CUDA (rank r on cuda:r). kv_cache_memory_bytes is per rank.
     tensor_parallel_size: int = 1
+    # CPU: size the intra-op thread pool to the cores other processes leave free, re-measured
+    # every 0.25 s (engine/cpu_threads.py). None: on unless TAILSERVE_CPU_THREADS_ADAPT=0.
+    cpu_threads_adapt: bool | None = None
     # Prometheus histogram buckets per family (vLLM's --custom-histogram-buckets): its JSON
     # text, or the parsed ((family, bounds), ...). None: tailserve's defaults (metrics/prometheus.py).
     custom_histogram_buckets: str | tuple[tuple[str, tuple[float, ...]], ...] | None = None
@@ -352,6 +355,8 @@ class EngineConfig:
                 and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
         _ = self.scheduler_config  # validates the scheduler fields
+        if self.cpu_threads_adapt is None:
+            object.__setattr__(self, "cpu_threads_adapt", os.environ.get("TAILSERVE_CPU_THREADS_ADAPT", "1") != "0")
         if isinstance(self.custom_histogram_buckets, str):
             object.__setattr__(self, "custom_histogram_buckets", parse_histogram_buckets(self.custom_histogram_buckets))
         if self.custom_histogram_buckets and not self.enable_metrics:

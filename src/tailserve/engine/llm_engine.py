@@ -21,6 +21,7 @@ import torch
 from tailserve.assets import resolve_model_path
 from tailserve.config import EngineConfig
 from tailserve.engine.core import EngineCore, EngineStepError
+from tailserve.engine.cpu_threads import make_governor
 from tailserve.engine.kv_event_publisher import KVEventPublisher
 from tailserve.engine.output_processor import OutputProcessor
 from tailserve.engine.parallel_sampling import child_params, child_request_id
@@ -90,6 +91,7 @@ class LLMEngine:
         if config.warmup:
             self.warmup_s = self.warm_up()
         self.allocator_monitor: AllocatorMonitor | None = None
+        self.thread_governor = make_governor(torch.get_num_threads()) if info.plan.adapt_threads else None
         # Where memory snapshots come from: the CUDA allocator, or nothing on a CPU.
         self.snapshot_source: Callable[[], dict[str, Any]] | None = cuda_snapshot if info.device.type == "cuda" \
             else None
@@ -268,6 +270,8 @@ class LLMEngine:
         """One engine step. A failure that is not a ``TailserveError`` raises
         ``EngineStepError`` naming the requests of that step, which are aborted; every
         other request goes on at the next step."""
+        if self.thread_governor is not None:
+            self.thread_governor.on_step()
         try:
             core_outputs = self.core.step()
         except EngineStepError as e:

@@ -176,6 +176,10 @@ class TargetPlan:
     # pair (AVX2), k = 16 at batch 1 (17 rows) gave 1.48x where k = 12 gave 3.77x.
     max_verify_rows: int | None = None
     max_verify_rows_reason: str = ""
+    # CPU: whether the engine sizes its thread pool to the cores other processes leave free
+    # (engine/cpu_threads.py).
+    adapt_threads: bool = False
+    adapt_threads_reason: str = ""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -195,6 +199,7 @@ class TargetPlan:
                              f"{', on llguidance threads' if self.grammar_masks_parallel else ''} "
                              f"({self.grammar_masks_reason})",
             "verify_rows": f"{self.max_verify_rows or 'any'} ({self.max_verify_rows_reason})",
+            "cpu_threads": f"{'adaptive' if self.adapt_threads else 'fixed'} ({self.adapt_threads_reason})",
         }
         if self.draft is not None:
             out["draft"] = self.draft.describe()
@@ -307,9 +312,17 @@ def plan_target(config: EngineConfig, arch: ModelArchConfig, device: torch.devic
         rows, rows_why = FusedDecodeLayer.MAX_ROWS, "the fused decode layer's rows: adaptive k stays within them"
     else:
         rows, rows_why = None, "no fused decode layer"
+    # Measured on 2 AVX-512 cores (benchmarks/bench_busy_core.py): beside one busy core batch-1
+    # decode ran 28 tok/s on 2 threads and 92 on 1, against 107 alone on 2.
+    adapt = device.type == "cpu" and tp_size == 1 and bool(config.cpu_threads_adapt)
+    adapt_why = ("one thread fewer while another process takes a core: the thread sharing it would hold up "
+                 "every product" if adapt else "not a CPU device" if device.type != "cpu"
+                 else "tensor parallelism: each rank keeps its threads" if tp_size != 1
+                 else "cpu_threads_adapt off")
     return TargetPlan(device, model, sizes, why, kernels, sampler_why, caps.cpu_capability,
                       grammar_overlap_min_rows=min_rows, grammar_masks_parallel=gpu,
-                      grammar_masks_reason=masks_why, max_verify_rows=rows, max_verify_rows_reason=rows_why)
+                      grammar_masks_reason=masks_why, max_verify_rows=rows, max_verify_rows_reason=rows_why,
+                      adapt_threads=adapt, adapt_threads_reason=adapt_why)
 
 
 def uses_draft_model(config: EngineConfig) -> bool:
