@@ -133,10 +133,16 @@ def test_auto_on_a_cpu_without_native_bf16_keeps_the_checkpoint_compact(tmp_path
             .generate(prompts, params)]
     auto = LLM(str(path), kv_cache_memory_bytes=2 << 20)
     worker = auto.engine.core.worker
+    # With the kernels, auto computes in float32 over the compact weights on every CPU (on one
+    # with native bf16 too: the kernels decode faster); only the native one multiplies prefill
+    # chunks above 16 rows in bf16, so only elsewhere are the outputs the float32 model's exactly.
+    assert worker.linear_method.name == "cpu-compact-weights"
+    assert "weights kept in bfloat16" in worker.dtype_reason
     if resolve_auto_dtype(torch.bfloat16, torch.device("cpu"))[0] == torch.float32:
-        assert worker.linear_method.name == "cpu-compact-weights"
-        assert "weights kept in bfloat16" in worker.dtype_reason
+        assert not worker.linear_method.native_large_batches
         assert [o.token_ids for o in auto.generate(prompts, params)] == want
+    else:
+        assert worker.linear_method.native_large_batches
     off = LLM(str(path), kv_cache_memory_bytes=2 << 20, cpu_kernels=False)
     assert off.engine.core.worker.linear_method.name != "cpu-compact-weights"
 
@@ -248,6 +254,28 @@ def test_a_float32_cpu_engine_runs_the_kernels_and_generates_what_pytorch_does(t
     assert not isinstance(plain.engine.core.worker.attn_backend, CpuDecodeBackend)
     assert [o.token_ids for o in fast.generate(prompts, params)] == \
         [o.token_ids for o in plain.generate(prompts, params)]
+
+
+@needs_kernels
+def test_native_scope_multiplies_large_batches_in_bf16_and_nothing_else():
+    from tailserve.model.linear import CpuCompactWeightsLinearMethod
+
+    w = torch.randn(48, 64).bfloat16().float()
+    layer = Linear(48, 64, True)
+    layer.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+    layer.bias = torch.nn.Parameter(torch.randn(48), requires_grad=False)
+    layer.set_method(CpuCompactWeightsLinearMethod(torch.bfloat16, KERNELS, native_large_batches=True))
+    small, large = torch.randn(16, 64), torch.randn(17, 64)
+    exact = F.linear(large, w, layer.bias)
+    torch.testing.assert_close(layer.forward(large), exact, rtol=1e-5, atol=1e-5)  # outside a prompt step
+    with layer.method.native_scope(True):
+        torch.testing.assert_close(layer.forward(small), F.linear(small, w, layer.bias), rtol=1e-5, atol=1e-5)
+        got = layer.forward(large)
+        with pytest.raises(RuntimeError, match="does not nest"), layer.method.native_scope(True):
+            pass
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, F.linear(large.bfloat16(), w.bfloat16()).float() + layer.bias, rtol=0, atol=0)
+    assert not layer.method._native_now  # the scope always clears itself
 
 
 @needs_kernels

@@ -14,8 +14,10 @@ room for them. Draft probabilities stay here. It never decides policy.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -66,8 +68,12 @@ class ModelRunner:
                  block_size: int, device: torch.device, seed: int = 0, max_model_len: int | None = None,
                  proposer: Proposer | None = None, attn_backend: AttentionBackend | None = None,
                  sampler: Sampler | None = None, synthetic_acceptance: float | None = None,
-                 verification: str = "token") -> None:
+                 verification: str = "token",
+                 native_prefill: Callable[[bool], contextlib.AbstractContextManager] | None = None) -> None:
         self.model = model
+        # Where the plan lets prompt-only steps multiply in the weights' native dtype
+        # (CpuCompactWeightsLinearMethod.native_scope): called with that step's answer.
+        self.native_prefill = native_prefill
         self.arch = arch
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -215,6 +221,8 @@ class ModelRunner:
         # A step of plain decodes only (one token each, no drafts to verify, no prompt rows)
         # can replay a captured graph.
         all_decode = bool(self.decode_graphs)
+        # A step of prompt rows only (no decodes, drafts, recomputed outputs or scored prompts).
+        prompt_only = self.native_prefill is not None
         for s in sched.scheduled:
             st = self.requests[s.request_id]
             d = list(s.draft_token_ids)
@@ -231,6 +239,8 @@ class ModelRunner:
                 done = s.start_pos + n_real >= st.num_prompt_tokens
                 prompt_rows.append((st, len(input_ids) - len(d) - n_real, s.start_pos, max(n_rows, 0), done))
             all_decode = all_decode and s.num_tokens == 1 and s.sample and not d and not prompt_rows
+            prompt_only = prompt_only and not d and s.start_pos + s.num_tokens <= st.num_prompt_tokens \
+                and st.params.prompt_logprobs is None
             if s.sample:
                 k = len(d)
                 spec |= k > 0
@@ -246,7 +256,11 @@ class ModelRunner:
             meta = self.attn_backend.build(query_lens, context_lens, tables)
             ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
             pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-            hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
+            if self.native_prefill is not None:
+                with self.native_prefill(prompt_only):
+                    hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
+            else:
+                hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
         if prompt_rows:
             self._prompt_logprobs(out, hidden, prompt_rows)
         if sampled:

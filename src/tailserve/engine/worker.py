@@ -40,7 +40,13 @@ from tailserve.memory.allocator.snapshot import start_recording
 from tailserve.memory.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from tailserve.memory.kv_sizing import CudaMemory, DeviceMemory, MemoryProfile, num_blocks_from_profile, profile_memory
 from tailserve.model.config import load_arch_config
-from tailserve.model.linear import SINGLE, LinearMethod, TensorParallel, build_linear_method
+from tailserve.model.linear import (
+    SINGLE,
+    CpuCompactWeightsLinearMethod,
+    LinearMethod,
+    TensorParallel,
+    build_linear_method,
+)
 from tailserve.model.llama import TORCH_OPS, KernelLayerOps, LayerOps, fuse_decode_layers
 from tailserve.model.loader import load_model
 from tailserve.sample.sampler import Sampler
@@ -60,7 +66,8 @@ def _layer_ops(plan: ModelPlan, kernels) -> LayerOps:
 def _linear_method(plan: ModelPlan, kernels) -> LinearMethod:
     lp = plan.linear
     uses_kernels = lp.method == "cpu-compact-weights" or lp.cpu_kernels
-    return build_linear_method(lp.method, kernels if uses_kernels else None, lp.compact_dtype, lp.keep_float32)
+    return build_linear_method(lp.method, kernels if uses_kernels else None, lp.compact_dtype, lp.keep_float32,
+                               lp.native_large_batches)
 
 
 def _attention_backend(plan: ModelPlan, args: tuple, kernels) -> AttentionBackend:
@@ -165,7 +172,10 @@ class Worker:
         self.runner = ModelRunner(self.model, self.arch, self.kv_caches, config.block_size, device, config.seed,
                                   max_model_len=max_len, attn_backend=self.attn_backend, proposer=proposer,
                                   sampler=sampler, synthetic_acceptance=config.speculative_synthetic_acceptance,
-                                  verification=config.speculative_verification)
+                                  verification=config.speculative_verification,
+                                  native_prefill=self.linear_method.native_scope
+                                  if isinstance(self.linear_method, CpuCompactWeightsLinearMethod)
+                                  and self.linear_method.native_large_batches else None)
         self.graph_capture_s: float | None = None
         if plan.decode_graph_sizes:
             self.graph_capture_s = self.capture_decode_graphs(list(plan.decode_graph_sizes))
