@@ -279,6 +279,22 @@ def test_native_scope_multiplies_large_batches_in_bf16_and_nothing_else():
 
 
 @needs_kernels
+def test_decode_batches_up_to_64_rows_give_each_row_its_16_row_product():
+    from tailserve.model.linear import CpuCompactWeightsLinearMethod
+
+    w = torch.randn(40, 64).bfloat16().float()
+    layer = Linear(40, 64, False)
+    layer.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+    layer.set_method(CpuCompactWeightsLinearMethod(torch.bfloat16, KERNELS))
+    x = torch.randn(64, 64)
+    alone = layer.forward(x[37:38])
+    assert torch.equal(layer.forward(x[:40])[37:38], alone)  # chunked through the kernel: bit for bit
+    assert torch.equal(layer.forward(x)[37:38], alone)
+    wide = torch.randn(65, 64)
+    torch.testing.assert_close(layer.forward(wide), F.linear(wide, w), rtol=1e-5, atol=1e-5)  # widened
+
+
+@needs_kernels
 def test_weights_that_are_not_exactly_bf16_keep_float32():
     """A checkpoint whose config says bf16 may store float32 values: compacting those would
     round them, so such a layer keeps a float32 method."""
@@ -345,3 +361,23 @@ def test_the_fused_decode_layer_is_the_per_operation_path(tmp_path, kind, quanti
         p = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
         prompts = [[5, 6, 7, 8, 9] * 3, [11, 12, 13]]
         assert [o.token_ids for o in fused.generate(prompts, p)] == [o.token_ids for o in plain.generate(prompts, p)]
+
+
+@needs_kernels
+def test_a_decode_of_more_sequences_than_the_fused_rows_runs_in_groups_and_matches_each_alone(tmp_path):
+    from conftest import build_hf_model, save_checkpoint
+    from tailserve import LLM, SamplingParams
+
+    path = save_checkpoint(build_hf_model("llama"), tmp_path / "bf16", dtype=torch.bfloat16)
+    llm = LLM(str(path), kv_cache_memory_bytes=8 << 20)
+    runner = llm.engine.core.worker.runner
+    assert runner.fused_rows == 16
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[3 + i, 7, 11 + 2 * i] for i in range(20)]  # 20 decodes a step: two groups
+    calls = []
+    grouped = runner._forward_in_groups
+    runner._forward_in_groups = lambda *a: calls.append(len(a[2])) or grouped(*a)
+    together = [o.token_ids for o in llm.generate(prompts, params)]
+    assert calls and all(n == 20 for n in calls)
+    runner._forward_in_groups = grouped
+    assert together == [llm.generate([p], params)[0].token_ids for p in prompts]

@@ -47,7 +47,7 @@ from tailserve.model.linear import (
     TensorParallel,
     build_linear_method,
 )
-from tailserve.model.llama import TORCH_OPS, KernelLayerOps, LayerOps, fuse_decode_layers
+from tailserve.model.llama import TORCH_OPS, FusedDecodeLayer, KernelLayerOps, LayerOps, fuse_decode_layers
 from tailserve.model.loader import load_model
 from tailserve.sample.sampler import Sampler
 from tailserve.speculative.draft_step import make_draft_step
@@ -175,7 +175,8 @@ class Worker:
                                   verification=config.speculative_verification,
                                   native_prefill=self.linear_method.native_scope
                                   if isinstance(self.linear_method, CpuCompactWeightsLinearMethod)
-                                  and self.linear_method.native_large_batches else None)
+                                  and self.linear_method.native_large_batches else None,
+                                  fused_rows=FusedDecodeLayer.MAX_ROWS if self.num_fused_layers else 0)
         self.graph_capture_s: float | None = None
         if plan.decode_graph_sizes:
             self.graph_capture_s = self.capture_decode_graphs(list(plan.decode_graph_sizes))

@@ -228,6 +228,11 @@ class CpuCompactWeightsLinearMethod(LinearMethod):
 
     name = "cpu-compact-weights"
     SMALL_BATCH = 16
+    # Up to this many rows (decode steps of 17-64 sequences, verification), the kernel in
+    # SMALL_BATCH-row chunks: 1.1-1.5x faster than widening for PyTorch's float32 product
+    # (AVX-512 bf16, 512x1408 .. 2816x512 weights), and each row's product stays the one it has
+    # in a batch of up to 16, so an output does not depend on how many requests decode beside it.
+    CHUNKED_MAX_ROWS = 64
 
     def __init__(self, weight_dtype: torch.dtype, kernels, keep_float32: bool = False,
                  native_large_batches: bool = False) -> None:
@@ -277,6 +282,11 @@ class CpuCompactWeightsLinearMethod(LinearMethod):
                 y += layer.bias
         elif self._native_now:
             y = F.linear(x2.to(self.weight_dtype), layer.qweight).float()
+            if layer.bias is not None:
+                y += layer.bias
+        elif x2.shape[0] <= self.CHUNKED_MAX_ROWS and not self.keep_float32:
+            y = torch.cat([self.kernels.gemm(x2[i : i + self.SMALL_BATCH], layer.qweight)
+                           for i in range(0, x2.shape[0], self.SMALL_BATCH)])
             if layer.bias is not None:
                 y += layer.bias
         else:
