@@ -87,19 +87,21 @@ def worker_tailserve(model: str, dtype: str, runs: int) -> dict[str, float]:
 
 
 def worker_llamacpp(model: str, variant: str, runs: int) -> dict[str, float]:
+    # llama-cpp-python's high-level API at batch 1 (its low-level batch path, bench_peers.py's,
+    # crashed in llama_decode with llama-cpp-python 0.3.36); the argmax in NumPy.
     import llama_cpp
+    import numpy as np
 
     gguf = bench_peers.write_gguf(model, variant)
-    llm = llama_cpp.Llama(str(gguf), n_ctx=512, n_threads=int(os.environ["OMP_NUM_THREADS"]), verbose=False)
+    llm = llama_cpp.Llama(str(gguf), n_ctx=512, n_threads=int(os.environ["BENCH_THREADS"]), verbose=False)
     ids = bench_peers.prompt_ids()
 
     def timed(n: int) -> float:
         llm.reset()
         t = time.perf_counter()
         llm.eval(ids)
-        for _ in range(n):
-            tok = int(max(range(llm.n_vocab()), key=lambda i: llm.scores[llm.n_tokens - 1][i]))
-            llm.eval([tok])
+        for _ in range(n - 1):
+            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
         return time.perf_counter() - t
 
     return measure(timed, runs)
@@ -135,7 +137,7 @@ def main() -> None:
         else:
             print("llama.cpp: skipped (no --llamacpp-python)", file=sys.stderr)
         for name, python, worker, extra in jobs:
-            env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), **extra)
+            env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), BENCH_THREADS=str(args.threads), **extra)
             out = subprocess.run([python, __file__, "--worker", worker, "--model", str(model), "--runs",
                                   str(args.runs), "--dtype", args.dtype], env=env, capture_output=True, text=True)
             if out.returncode != 0:

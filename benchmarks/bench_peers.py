@@ -105,6 +105,15 @@ def worker_transformers(model: str, variant: str, runs: int) -> dict[str, float]
 
 
 def worker_llamacpp(model: str, variant: str, runs: int) -> dict[str, float]:
+    timed, close = llamacpp_timed(model, variant)
+    res = decode_rates(timed, runs)
+    close()
+    res["setup"] = f"{variant} GGUF"
+    return res
+
+
+def llamacpp_timed(model: str, variant: str):
+    """(timed(batch, new_tokens) -> seconds, close()) for llama.cpp over this checkpoint's GGUF."""
     import ctypes
 
     import llama_cpp as lc
@@ -152,11 +161,11 @@ def worker_llamacpp(model: str, variant: str, runs: int) -> dict[str, float]:
             nxt = [argmax_row(s) for s in range(b)]
         return time.perf_counter() - t
 
-    res = decode_rates(timed, runs)
-    lc.llama_batch_free(batch)
-    lc.llama_free(ctx)
-    res["setup"] = f"{variant} GGUF"
-    return res
+    def close() -> None:
+        lc.llama_batch_free(batch)
+        lc.llama_free(ctx)
+
+    return timed, close
 
 
 def write_gguf(model: str, variant: str) -> pathlib.Path:

@@ -8,7 +8,9 @@ fell from 107 to 28 tok/s with 2 threads, while 1 thread ran at 92 tok/s alone a
 ``interval_s``, how much CPU time processes other than this one took on the CPUs this process
 may run on (``/proc/stat``'s per-CPU busy time minus this process's own CPU time), and runs
 with as many threads as cores remain: one fewer as soon as another process takes more than
-half a core, one more again after two intervals in a row with that core free.
+half a core, one more again once that core is free: at once when under a quarter of it is
+taken, after two intervals in a row when it is between a quarter and a half. A window in which
+the engine ran no steps for a while (idle) decides nothing.
 
 It runs on the thread that executes the engine steps (``torch.set_num_threads`` and the
 compiled kernels' thread count are per calling thread under OpenMP). On by default for a CPU
@@ -66,12 +68,16 @@ class ThreadGovernor:
     def on_step(self) -> None:
         """Before an engine step: re-measure when an interval has passed; apply the count."""
         now = self._clock()
-        if now - self._t >= self.interval_s:
+        dt = now - self._t
+        if dt >= self.interval_s:
             busy, own = self._read_busy(), self._read_self()
-            dt = now - self._t
-            self.other_cores = max(0.0, (busy - self._busy) - (own - self._self)) / dt
+            other = max(0.0, (busy - self._busy) - (own - self._self)) / dt
             self._t, self._busy, self._self = now, busy, own
-            self._decide()
+            if dt <= 4 * self.interval_s:
+                self.other_cores = other
+                self._decide()
+            # else: the engine was idle for most of that window (no steps): what others did then
+            # says little about now, so the next interval decides.
         if self._get() != self.threads:
             self._set(self.threads)
 
@@ -84,7 +90,9 @@ class ThreadGovernor:
             self.num_changes += 1
             log.info("CPU threads: %d (other processes took %.1f cores)", self.threads, self.other_cores)
         elif free > self.threads:
-            self._room += 1
+            # A core clearly free again (under a quarter taken) is taken back at once; a
+            # borderline one after two intervals in a row, so the count does not flap.
+            self._room += 2 if self.other_cores < self.num_cpus - self.threads - 0.75 else 1
             if self._room >= 2:
                 self.threads, self._room = self.threads + 1, 0
                 self.num_changes += 1
