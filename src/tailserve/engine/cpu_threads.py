@@ -101,10 +101,6 @@ class ThreadGovernor:
             self._room = 0
 
 
-def default_adapt() -> bool:
-    return os.environ.get("TAILSERVE_CPU_THREADS_ADAPT", "1") != "0"
-
-
 def make_governor(max_threads: int) -> ThreadGovernor | None:
     """A governor over the CPUs this process may use, or None where /proc/stat is unreadable
     or there is one thread to size."""
