@@ -87,8 +87,8 @@ def worker_tailserve(model: str, dtype: str, runs: int) -> dict[str, float]:
 
 
 def worker_llamacpp(model: str, variant: str, runs: int) -> dict[str, float]:
-    # llama-cpp-python's high-level API at batch 1 (its low-level batch path, bench_peers.py's,
-    # crashed in llama_decode with llama-cpp-python 0.3.36); the argmax in NumPy.
+    # llama-cpp-python's high-level API at batch 1 (one sequence needs no batch API); the argmax
+    # in NumPy.
     import llama_cpp
     import numpy as np
 

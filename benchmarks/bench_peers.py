@@ -164,6 +164,7 @@ def llamacpp_timed(model: str, variant: str):
     def close() -> None:
         lc.llama_batch_free(batch)
         lc.llama_free(ctx)
+        llm.close()  # the model our context was made from: kept alive by this closure until now
 
     return timed, close
 
