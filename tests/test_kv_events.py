@@ -18,7 +18,7 @@ from tailserve.config import EngineConfig, KVEventsConfig
 from tailserve.errors import ConfigError
 from tailserve.memory.block_hash import sha256_cbor_64bit
 from tailserve.memory.block_pool import BlockPool
-from tailserve.memory.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog
+from tailserve.memory.kv_events import BlockRemoved, BlockStored, KVEventLog
 
 
 # -- the log and the pool (stage tests) -------------------------------------------------------
@@ -32,9 +32,6 @@ def test_log_merges_a_chain_of_stores_and_runs_of_removals():
     assert log.drain() == [BlockStored((11, 12), None, (1, 2, 3, 4), 2), BlockStored((21,), None, (5, 6), 2),
                            BlockRemoved((11, 12))]
     assert log.drain() == []
-    log.stored(31, None, (7, 8), 2)
-    log.cleared()
-    assert log.drain() == [AllBlocksCleared()]
 
 
 def test_pool_announces_what_it_caches_and_what_it_evicts():

@@ -203,7 +203,6 @@ class ModelRunner:
         return self.decode_graphs[min(fits)] if fits else None
 
     # -- the step ------------------------------------------------------------------------------
-    @torch.inference_mode()
     def _forward_in_groups(self, input_ids: list[int], positions: list[int], query_lens: list[int],
                            context_lens: list[int], tables: list[list[int]]) -> torch.Tensor:
         """One step's decode (or verification) rows as forwards of whole sequences, at most
@@ -225,6 +224,7 @@ class ModelRunner:
             start, i = start + rows, j
         return torch.cat(hidden)
 
+    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. Requests with draft tokens are verified: their last k+1 positions
         are sampled through the rejection sampler."""
@@ -283,10 +283,7 @@ class ModelRunner:
             meta = self.attn_backend.build(query_lens, context_lens, tables)
             ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
             pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-            if self.native_prefill is not None:
-                with self.native_prefill(prompt_only):
-                    hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
-            else:
+            with self.native_prefill(prompt_only) if self.native_prefill else contextlib.nullcontext():
                 hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
         if prompt_rows:
             self._prompt_logprobs(out, hidden, prompt_rows)

@@ -50,7 +50,6 @@ def sha256_cbor_64bit(seed: str | None = None) -> HashFn:
     def block_hash(parent: BlockHash | None, token_ids: tuple[int, ...]) -> BlockHash:
         return _low64(dumps([root if parent is None else parent, list(token_ids), None], canonical=True))
 
-    block_hash.root = root  # type: ignore[attr-defined]
     return block_hash
 
 

@@ -42,7 +42,8 @@ class KVEventLog:
     """Pending events, in order, merged where they continue each other."""
 
     def __init__(self) -> None:
-        # ("stored", hashes, parent, tokens, block_size) | ("removed", hashes) | ("cleared",)
+        # ("stored", hashes, parent, tokens, block_size) | ("removed", hashes); AllBlocksCleared
+        # is the publisher's own (at its start and shutdown), never the pool's.
         self._pending: list[list] = []
 
     def __len__(self) -> int:
@@ -64,17 +65,12 @@ class KVEventLog:
         else:
             self._pending.append(["removed", [block_hash]])
 
-    def cleared(self) -> None:
-        self._pending = [["cleared"]]  # whatever came before is moot
-
     def drain(self) -> list[KVEvent]:
         out: list[KVEvent] = []
         for e in self._pending:
             if e[0] == "stored":
                 out.append(BlockStored(tuple(e[1]), e[2], tuple(e[3]), e[4]))
-            elif e[0] == "removed":
-                out.append(BlockRemoved(tuple(e[1])))
             else:
-                out.append(AllBlocksCleared())
+                out.append(BlockRemoved(tuple(e[1])))
         self._pending = []
         return out
