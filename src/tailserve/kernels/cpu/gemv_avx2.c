@@ -11,7 +11,7 @@
  * Layout of the work: each thread streams one contiguous range of weight rows, row after row,
  * prefetching a few KB ahead (one linear stream per core reads DRAM faster here than several
  * interleaved rows: measured 19 against 10-12 GB/s). Weight rows go three at a time against
- * four activation rows (see DEFINE_GEMM), the rows staying in L1 after the first block. OpenMP is the same libgomp PyTorch loaded. K must be a multiple of 8 (the
+ * up to four activation rows (see DEFINE_GEMM), the rows staying in L1 after the first block. OpenMP is the same libgomp PyTorch loaded. K must be a multiple of 8 (the
  * caller checks); N and M are arbitrary.
  */
 #include <immintrin.h>
@@ -46,11 +46,45 @@ static inline __m256 widen_i8(const int8_t* p) {
 
 /* Every output is one accumulator summed over K in order, 8 lanes at a time, then reduced:
  * the same arithmetic whichever block it falls in, so a row's result does not depend on the
- * batch it shares (batch-invariant logits). Blocks: 3 weight rows x 4 activation rows (12
- * accumulators: each widened weight vector feeds 4 FMAs, each activation vector 3, so the
- * FMAs, not the loads, set the pace); 3 x 1 for the activation rows left over (batch 1); a
- * weight row left over takes 1 x 4 and 1 x 1. */
+ * batch it shares (batch-invariant logits). Blocks: 3 weight rows x R activation rows, R = 4
+ * while four are left and then the 1-3 left over in one more pass (12 accumulators at R = 4:
+ * each widened weight vector feeds R FMAs, each activation vector 3). Widening the compact
+ * weights costs as much as the FMAs it feeds at R = 1, so the rows left over share one pass
+ * rather than one each: a verification step of 3 rows (2 drafts) costs ~1.2x a decode row, not
+ * 2.1-2.5x as it did. A weight row left over takes 1 x R the same way. */
 #define DEFINE_GEMM(NAME, WT, WIDEN)                                                                   \
+static inline __attribute__((always_inline)) void NAME##_3xr(const WT* r0, const float* x, float* y,    \
+        const float* s, long N, long K, const int R, int prefetch, const WT* end) {                  \
+    const WT *r1 = r0 + K, *r2 = r1 + K;                                                             \
+    __m256 c[3][4];                                                                                  \
+    for (int j = 0; j < 4; j++) c[0][j] = c[1][j] = c[2][j] = _mm256_setzero_ps();                   \
+    for (long k = 0; k < K; k += 8) {                                                                \
+        if (prefetch && r0 + 3 * k + PREFETCH_AHEAD < end)                                           \
+            _mm_prefetch((const char*)(r0 + 3 * k + PREFETCH_AHEAD), _MM_HINT_T0);                   \
+        __m256 w0 = WIDEN(r0 + k), w1 = WIDEN(r1 + k), w2 = WIDEN(r2 + k);                           \
+        for (int j = 0; j < R; j++) {                                                                \
+            __m256 xv = _mm256_loadu_ps(x + j * K + k);                                              \
+            c[0][j] = _mm256_fmadd_ps(w0, xv, c[0][j]); c[1][j] = _mm256_fmadd_ps(w1, xv, c[1][j]);  \
+            c[2][j] = _mm256_fmadd_ps(w2, xv, c[2][j]);                                              \
+        }                                                                                            \
+    }                                                                                                \
+    for (int j = 0; j < R; j++) {                                                                    \
+        float* o = y + j * N;                                                                        \
+        o[0] = hsum8(c[0][j]) * s[0]; o[1] = hsum8(c[1][j]) * s[1]; o[2] = hsum8(c[2][j]) * s[2];    \
+    }                                                                                                \
+}                                                                                                    \
+static inline __attribute__((always_inline)) void NAME##_1xr(const WT* r, const float* x, float* y,     \
+        float s, long N, long K, const int R, int prefetch, const WT* end) {                         \
+    __m256 a[4];                                                                                     \
+    for (int j = 0; j < 4; j++) a[j] = _mm256_setzero_ps();                                          \
+    for (long k = 0; k < K; k += 8) {                                                                \
+        if (prefetch && r + k + PREFETCH_AHEAD < end)                                                \
+            _mm_prefetch((const char*)(r + k + PREFETCH_AHEAD), _MM_HINT_T0);                        \
+        __m256 w0 = WIDEN(r + k);                                                                    \
+        for (int j = 0; j < R; j++) a[j] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + j * K + k), a[j]); \
+    }                                                                                                \
+    for (int j = 0; j < R; j++) y[j * N] = hsum8(a[j]) * s;                                          \
+}                                                                                                    \
 void NAME(const float* x, const WT* w, const float* scale, float* y, long M, long N, long K, int threads) { \
     _Pragma("omp parallel num_threads(threads)")                                                     \
     {                                                                                                \
@@ -60,85 +94,38 @@ void NAME(const float* x, const WT* w, const float* scale, float* y, long M, lon
         const WT* end = w + hi * K;                                                                  \
         long n = lo;                                                                                 \
         for (; n + 3 <= hi; n += 3) {                                                                \
-            const WT *r0 = w + n * K, *r1 = r0 + K, *r2 = r1 + K;                                    \
-            float s0 = scale ? scale[n] : 1.0f, s1 = scale ? scale[n + 1] : 1.0f;                    \
-            float s2 = scale ? scale[n + 2] : 1.0f;                                                  \
-            long m = 0;                                                                              \
-            for (; m + 4 <= M; m += 4) {                                                             \
-                const float *x0 = x + m * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;               \
-                __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c03 = c00;                   \
-                __m256 c10 = c00, c11 = c00, c12 = c00, c13 = c00;                                   \
-                __m256 c20 = c00, c21 = c00, c22 = c00, c23 = c00;                                   \
-                for (long k = 0; k < K; k += 8) {                                                    \
-                    if (m == 0 && r0 + 3 * k + PREFETCH_AHEAD < end)                                 \
-                        _mm_prefetch((const char*)(r0 + 3 * k + PREFETCH_AHEAD), _MM_HINT_T0);       \
-                    __m256 w0 = WIDEN(r0 + k), w1 = WIDEN(r1 + k), w2 = WIDEN(r2 + k);               \
-                    __m256 xv = _mm256_loadu_ps(x0 + k);                                             \
-                    c00 = _mm256_fmadd_ps(w0, xv, c00); c10 = _mm256_fmadd_ps(w1, xv, c10);          \
-                    c20 = _mm256_fmadd_ps(w2, xv, c20);                                              \
-                    xv = _mm256_loadu_ps(x1 + k);                                                    \
-                    c01 = _mm256_fmadd_ps(w0, xv, c01); c11 = _mm256_fmadd_ps(w1, xv, c11);          \
-                    c21 = _mm256_fmadd_ps(w2, xv, c21);                                              \
-                    xv = _mm256_loadu_ps(x2 + k);                                                    \
-                    c02 = _mm256_fmadd_ps(w0, xv, c02); c12 = _mm256_fmadd_ps(w1, xv, c12);          \
-                    c22 = _mm256_fmadd_ps(w2, xv, c22);                                              \
-                    xv = _mm256_loadu_ps(x3 + k);                                                    \
-                    c03 = _mm256_fmadd_ps(w0, xv, c03); c13 = _mm256_fmadd_ps(w1, xv, c13);          \
-                    c23 = _mm256_fmadd_ps(w2, xv, c23);                                              \
+            const WT* r0 = w + n * K;                                                                \
+            float s[3] = {scale ? scale[n] : 1.0f, scale ? scale[n + 1] : 1.0f, scale ? scale[n + 2] : 1.0f}; \
+            for (long m = 0; m < M; m += 4) {                                                        \
+                const float* xm = x + m * K;                                                         \
+                float* ym = y + m * N + n;                                                           \
+                int pf = m == 0;                                                                     \
+                switch (M - m < 4 ? (int)(M - m) : 4) {                                              \
+                case 4: NAME##_3xr(r0, xm, ym, s, N, K, 4, pf, end); break;                          \
+                case 3: NAME##_3xr(r0, xm, ym, s, N, K, 3, pf, end); break;                          \
+                case 2: NAME##_3xr(r0, xm, ym, s, N, K, 2, pf, end); break;                          \
+                default: NAME##_3xr(r0, xm, ym, s, N, K, 1, pf, end); break;                         \
                 }                                                                                    \
-                float* o = y + m * N + n;                                                            \
-                o[0] = hsum8(c00) * s0; o[1] = hsum8(c10) * s1; o[2] = hsum8(c20) * s2; o += N;      \
-                o[0] = hsum8(c01) * s0; o[1] = hsum8(c11) * s1; o[2] = hsum8(c21) * s2; o += N;      \
-                o[0] = hsum8(c02) * s0; o[1] = hsum8(c12) * s1; o[2] = hsum8(c22) * s2; o += N;      \
-                o[0] = hsum8(c03) * s0; o[1] = hsum8(c13) * s1; o[2] = hsum8(c23) * s2;              \
-            }                                                                                        \
-            for (; m < M; m++) {                                                                     \
-                const float* x0 = x + m * K;                                                         \
-                __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0;                                   \
-                for (long k = 0; k < K; k += 8) {                                                    \
-                    if (m == 0 && r0 + 3 * k + PREFETCH_AHEAD < end)                                 \
-                        _mm_prefetch((const char*)(r0 + 3 * k + PREFETCH_AHEAD), _MM_HINT_T0);       \
-                    __m256 xv = _mm256_loadu_ps(x0 + k);                                             \
-                    c0 = _mm256_fmadd_ps(WIDEN(r0 + k), xv, c0);                                     \
-                    c1 = _mm256_fmadd_ps(WIDEN(r1 + k), xv, c1);                                     \
-                    c2 = _mm256_fmadd_ps(WIDEN(r2 + k), xv, c2);                                     \
-                }                                                                                    \
-                float* o = y + m * N + n;                                                            \
-                o[0] = hsum8(c0) * s0; o[1] = hsum8(c1) * s1; o[2] = hsum8(c2) * s2;                 \
             }                                                                                        \
         }                                                                                            \
         for (; n < hi; n++) {                                                                        \
             const WT* r = w + n * K;                                                                 \
             float s = scale ? scale[n] : 1.0f;                                                       \
-            long m = 0;                                                                              \
-            for (; m + 4 <= M; m += 4) {                                                             \
-                const float *x0 = x + m * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;               \
-                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                          \
-                for (long k = 0; k < K; k += 8) {                                                    \
-                    __m256 w0 = WIDEN(r + k);                                                        \
-                    a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x0 + k), a0);                           \
-                    a1 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x1 + k), a1);                           \
-                    a2 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x2 + k), a2);                           \
-                    a3 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x3 + k), a3);                           \
+            for (long m = 0; m < M; m += 4) {                                                        \
+                const float* xm = x + m * K;                                                         \
+                float* ym = y + m * N + n;                                                           \
+                int pf = m == 0;                                                                     \
+                switch (M - m < 4 ? (int)(M - m) : 4) {                                              \
+                case 4: NAME##_1xr(r, xm, ym, s, N, K, 4, pf, end); break;                           \
+                case 3: NAME##_1xr(r, xm, ym, s, N, K, 3, pf, end); break;                           \
+                case 2: NAME##_1xr(r, xm, ym, s, N, K, 2, pf, end); break;                           \
+                default: NAME##_1xr(r, xm, ym, s, N, K, 1, pf, end); break;                          \
                 }                                                                                    \
-                y[m * N + n] = hsum8(a0) * s;                                                        \
-                y[(m + 1) * N + n] = hsum8(a1) * s;                                                  \
-                y[(m + 2) * N + n] = hsum8(a2) * s;                                                  \
-                y[(m + 3) * N + n] = hsum8(a3) * s;                                                  \
-            }                                                                                        \
-            for (; m < M; m++) {                                                                     \
-                const float* x0 = x + m * K;                                                         \
-                __m256 a0 = _mm256_setzero_ps();                                                     \
-                for (long k = 0; k < K; k += 8) {                                                    \
-                    if (m == 0 && r + k + PREFETCH_AHEAD < end)                                      \
-                        _mm_prefetch((const char*)(r + k + PREFETCH_AHEAD), _MM_HINT_T0);            \
-                    a0 = _mm256_fmadd_ps(WIDEN(r + k), _mm256_loadu_ps(x0 + k), a0);                 \
-                }                                                                                    \
-                y[m * N + n] = hsum8(a0) * s;                                                        \
             }                                                                                        \
         }                                                                                            \
     }                                                                                                \
 }
+
 
 DEFINE_GEMM(tailserve_gemm_bf16w, uint16_t, widen_bf16)
 DEFINE_GEMM(tailserve_gemm_f16w, uint16_t, widen_f16)
