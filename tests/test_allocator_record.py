@@ -41,3 +41,15 @@ def test_memory_record_command(llama_checkpoint, tmp_path, capsys):
                  "--kv-cache-memory", "2MiB", "--num-prompts", "2", "--input-len", "24", "--max-tokens", "3"]) == 0
     assert "allocations" in capsys.readouterr().out
     assert len(read_jsonl_trace(out)) > 50
+
+
+def test_the_profilers_own_log_lines_are_held_back_and_other_stderr_kept(capfd):
+    import os
+
+    from tailserve.memory.allocator.record import _quiet_profiler_log
+
+    with _quiet_profiler_log():
+        os.write(2, b"USDT:2026-12-03 15:53:08 3225:3225 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"a real warning\n")
+    err = capfd.readouterr().err
+    assert "profiler_start" not in err and "a real warning" in err

@@ -10,6 +10,7 @@ import pytest
 
 from tailserve.errors import ConfigError
 from tailserve.memory.allocator import CachingAllocatorSimulator, SimulatedOutOfMemory, parse_alloc_conf
+from tailserve.memory.allocator.simulator import TraceEvent as TraceEventT
 from tailserve.memory.allocator.simulator import read_jsonl_trace, simulate_trace
 
 MiB = 1 << 20
@@ -389,3 +390,33 @@ def test_recommend_picks_the_setting_that_fits_and_says_why(tmp_path, capsys):
     assert main(["memory", "recommend", str(path), "--capacity", "1024GiB", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["recommendation"] == ranked[0].conf and out["why"] == why
+
+
+def test_fragmentation_is_reported_at_the_peak_and_above_the_alert_floor(tmp_path, capsys):
+    from tailserve.cli import main
+
+    # Small tensors in a 2 MiB small-pool segment (stranded ~100% of a nearly empty segment),
+    # then a 16 MiB segment cached and reused split by a 4 MiB tensor: 12 MiB stranded.
+    events = [TraceEventT("alloc", 10 + i, 512) for i in range(3)]
+    events += [TraceEventT("alloc", 1, 16 * MiB), TraceEventT("free", 1, 16 * MiB), TraceEventT("alloc", 2, 4 * MiB)]
+    events += [TraceEventT("alloc", 20 + i, 512) for i in range(2)]
+    r = simulate_trace(events, "", 1 << 30)
+    assert r.peak_reserved_bytes == 18 * MiB
+    assert 0.7 < r.stranded_at_peak < 0.85  # (12 MiB + ~2 MiB) of 18 MiB
+    assert r.max_inactive_split_over_reserved > 0.99  # the 2 MiB segment alone read as ~100% before
+    assert (r.max_stranded_above_floor, r.alert_fires) == (0.0, False)  # 18 MiB never reaches the 1 GiB floor
+    low = simulate_trace(events, "", 1 << 30, alert_min_reserved_bytes=8 * MiB)
+    assert low.alert_fires and low.max_stranded_above_floor == pytest.approx(low.stranded_at_peak, abs=1e-3)
+    two = simulate_trace(events[:7], "", 1 << 30, alert_min_reserved_bytes=8 * MiB)
+    assert not two.alert_fires  # above the threshold for two evaluations only: the monitor needs three
+
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps({"action": e.action, "addr": e.addr, "size": e.size}) for e in events))
+    long_conf = "max_split_size_mb:128,garbage_collection_threshold:0.8,roundup_power2_divisions:4"
+    assert main(["memory", "simulate", str(path), "--conf", "", "--conf", long_conf,
+                 "--memory-fraction", "0.9"]) == 0
+    out = capsys.readouterr().out
+    assert long_conf in out and "stranded at peak" in out and "below floor" in out and "fires" not in out
+    assert main(["memory", "simulate", str(path), "--alert-min-reserved", "8MiB"]) == 0
+    row = capsys.readouterr().out.splitlines()[-1]
+    assert row.startswith("default") and "fires" in row

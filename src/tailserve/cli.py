@@ -341,21 +341,39 @@ def _cmd_memory_simulate(args: argparse.Namespace) -> int:
     events = read_trace(args.trace)
     confs = args.conf or [""]
     capacity = parse_bytes(args.capacity)
-    results = [simulate_trace(events, c, capacity, args.memory_fraction) for c in confs]
+    floor = parse_bytes(args.alert_min_reserved)
+    results = [simulate_trace(events, c, capacity, args.memory_fraction, alert_min_reserved_bytes=floor)
+               for c in confs]
     if args.json:
         for r in results:
             print(json.dumps(r.as_dict()))
         return 0
-    mib = 1 << 20
-    print(f"{len(events)} events, capacity {capacity / mib:.0f} MiB")
-    print(f"{'PYTORCH_CUDA_ALLOC_CONF':48s} {'peak reserved':>14s} {'peak allocated':>15s} "
-          f"{'max inactive split':>19s} {'retries':>8s}  out of memory")
-    for r in results:
-        oom = f"at event {r.oom_at_event}" if r.oom else "no"
-        print(f"{(r.conf or 'default')[:48]:48s} {r.peak_reserved_bytes / mib:10.1f} MiB "
-              f"{r.peak_allocated_bytes / mib:11.1f} MiB {r.max_inactive_split_over_reserved:19.3f} "
-              f"{r.num_alloc_retries:8d}  {oom}")
+    print(format_simulation(results, len(events), capacity, floor), end="")
     return 0
+
+
+def format_simulation(results, num_events: int, capacity: int, floor: int) -> str:
+    """The simulate table: fragmentation as the monitor alerts on it (stranded = inactive split
+    / reserved), at the peak and while reserved is above the alert's floor, never a ratio taken
+    when almost nothing was reserved."""
+    from tailserve.memory.allocator.simulator import ALERT_THRESHOLD, ALERT_TRIGGER
+
+    mib = 1 << 20
+    names = [r.conf or "default" for r in results]
+    w = max(len("PYTORCH_CUDA_ALLOC_CONF"), *map(len, names))
+    lines = [f"{num_events} events, capacity {capacity / mib:.0f} MiB; stranded = inactive split / reserved; "
+             f"the alert: stranded > {ALERT_THRESHOLD:.0%} while reserved >= {floor / mib:.0f} MiB, "
+             f"{ALERT_TRIGGER} evaluations in a row",
+             f"{'PYTORCH_CUDA_ALLOC_CONF':{w}s} {'peak reserved':>14s} {'peak allocated':>15s} "
+             f"{'stranded at peak':>17s} {'max above floor':>16s} {'alert':>6s} {'retries':>8s}  out of memory"]
+    for name, r in zip(names, results):
+        oom = f"at event {r.oom_at_event}" if r.oom else "no"
+        above = (f"{r.max_stranded_above_floor:16.1%}" if r.peak_reserved_bytes >= floor
+                 else f"{'below floor':>16s}")
+        lines.append(f"{name:{w}s} {r.peak_reserved_bytes / mib:10.1f} MiB {r.peak_allocated_bytes / mib:11.1f} MiB "
+                     f"{r.stranded_at_peak:17.1%} {above} {'fires' if r.alert_fires else 'no':>6s} "
+                     f"{r.num_alloc_retries:8d}  {oom}")
+    return "\n".join(lines) + "\n"
 
 
 def _cmd_memory_recommend(args: argparse.Namespace) -> int:
@@ -371,7 +389,7 @@ def _cmd_memory_recommend(args: argparse.Namespace) -> int:
     mib = 1 << 20
     for r in ranked:
         oom = f"out of memory at event {r.oom_at_event}" if r.oom else f"{r.num_alloc_retries} retries"
-        print(f"{(r.conf or 'default')[:52]:52s} peak reserved {r.peak_reserved_bytes / mib:10.1f} MiB  {oom}")
+        print(f"{(r.conf or 'default'):52s} peak reserved {r.peak_reserved_bytes / mib:10.1f} MiB  {oom}")
     print(why)
     return 0
 
@@ -568,6 +586,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--capacity", default="80GiB", help="device memory, units allowed (default 80GiB)")
     sim.add_argument("--memory-fraction", type=float, default=None,
                      help="as torch.cuda.set_per_process_memory_fraction (needed for garbage collection)")
+    sim.add_argument("--alert-min-reserved", default="1GiB",
+                     help="the monitor's reserved-bytes floor: the fragmentation alert is judged only while "
+                          "reserved is at least this (default 1GiB, the monitor's own; a small CPU trace needs a "
+                          "smaller one)")
     sim.add_argument("--json", action="store_true", help="one JSON object per configuration")
     sim.set_defaults(func=_cmd_memory_simulate)
     rec = mem_sub.add_parser("recommend", help="simulate candidate PYTORCH_CUDA_ALLOC_CONF settings on a trace "

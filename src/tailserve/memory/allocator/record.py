@@ -14,10 +14,14 @@ recording starts, as they are allocated once at start-up on a GPU too.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import pathlib
+import re
+import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tailserve.memory.allocator.simulator import TraceEvent
@@ -41,12 +45,39 @@ def events_from_chrome_trace(trace: dict[str, Any]) -> list[TraceEvent]:
     return out
 
 
+# What the profiler's C++ side (Kineto) writes to the process's stderr when it starts and
+# stops, e.g. "USDT:2026-12-03 15:53:08 3225:3225 SyncActivityProfilerHandler.cpp:52] profiler_start".
+_PROFILER_LOG = re.compile(r"^(USDT:|[A-Z]\d{4} .*(ActivityProfiler|Kineto)|.*ActivityProfiler.*\] )")
+
+
+@contextlib.contextmanager
+def _quiet_profiler_log() -> Iterator[None]:
+    """Hold file descriptor 2 in a temporary file while the profiler runs, then write back
+    every line that is not the profiler's own start/stop log (warnings and errors still
+    reach the user)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as f:
+        os.dup2(f.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            f.seek(0)
+            kept = [ln for ln in f.read().decode("utf-8", "replace").splitlines(keepends=True)
+                    if not _PROFILER_LOG.match(ln)]
+            if kept:
+                sys.stderr.write("".join(kept))
+
+
 def record_generation_trace(llm: Any, prompts: Sequence[str | list[int]], params: Any) -> list[TraceEvent]:
     """Run ``llm.generate(prompts, params)`` under the profiler and return its trace."""
     from torch.profiler import ProfilerActivity, profile
 
     llm.generate(list(prompts)[:1], params)  # warm-up: first-call caches are not the steady state
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet_profiler_log(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         llm.generate(list(prompts), params)
     with tempfile.TemporaryDirectory() as d:
         path = pathlib.Path(d) / "trace.json"

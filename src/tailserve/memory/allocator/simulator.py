@@ -529,6 +529,14 @@ def read_jsonl_trace(path: str | pathlib.Path) -> list[TraceEvent]:
     return events
 
 
+# The monitor's alert (allocator/monitor.py) replayed on a trace: the stranded measure above
+# ALERT_THRESHOLD while reserved is at least the floor, for ALERT_TRIGGER evaluations in a row
+# (the monitor's samples; here one after each event of the trace).
+ALERT_THRESHOLD = 0.30
+ALERT_MIN_RESERVED_BYTES = 1 << 30
+ALERT_TRIGGER = 3
+
+
 @dataclass
 class SimulationResult:
     conf: str
@@ -538,20 +546,34 @@ class SimulationResult:
     oom: bool
     oom_at_event: int | None
     final_fragmentation: dict[str, float] = field(default_factory=dict)
+    # inactive split / reserved at any moment, however little was reserved then (a ratio
+    # taken with almost nothing allocated can read 1.0: read the next two instead).
     max_inactive_split_over_reserved: float = 0.0
+    # The same measure when reserved last reached its peak: what stands between the
+    # allocator and an out-of-memory at the high-water mark.
+    stranded_at_peak: float = 0.0
+    # The alert's view: the largest value while reserved >= alert_min_reserved_bytes, and
+    # whether the monitor's alert (ALERT_THRESHOLD, ALERT_TRIGGER) would have fired.
+    alert_min_reserved_bytes: int = ALERT_MIN_RESERVED_BYTES
+    max_stranded_above_floor: float = 0.0
+    alert_fires: bool = False
 
     def as_dict(self) -> dict[str, object]:
         return dict(self.__dict__)
 
 
 def simulate_trace(events: Iterable[TraceEvent], conf: AllocatorConf | str | None = None,
-                   capacity_bytes: int = 80 << 30, memory_fraction: float | None = None) -> SimulationResult:
+                   capacity_bytes: int = 80 << 30, memory_fraction: float | None = None,
+                   alert_min_reserved_bytes: int = ALERT_MIN_RESERVED_BYTES,
+                   alert_threshold: float = ALERT_THRESHOLD) -> SimulationResult:
     """Replay a trace; frees of addresses the trace never allocated are ignored (a trace
     that starts mid-run)."""
     sim = CachingAllocatorSimulator(conf, capacity_bytes, memory_fraction)
     live: dict[int, Block] = {}
     oom_at = None
-    worst = 0.0
+    worst = at_peak = above_floor = 0.0
+    run = 0
+    fires = False
     for i, ev in enumerate(events):
         if ev.action == "alloc":
             try:
@@ -563,10 +585,23 @@ def simulate_trace(events: Iterable[TraceEvent], conf: AllocatorConf | str | Non
             b = live.pop(ev.addr, None)
             if b is not None:
                 sim.free(b)
-        if sim.stats.reserved_bytes:
-            worst = max(worst, sim.inactive_split_bytes / sim.stats.reserved_bytes)
+        reserved = sim.stats.reserved_bytes
+        if not reserved:
+            run = 0
+            continue
+        ratio = sim.inactive_split_bytes / reserved
+        worst = max(worst, ratio)
+        if reserved == sim.stats.peak_reserved_bytes:
+            at_peak = ratio
+        if reserved >= alert_min_reserved_bytes:
+            above_floor = max(above_floor, ratio)
+            run = run + 1 if ratio > alert_threshold else 0
+            fires = fires or run >= ALERT_TRIGGER
+        else:
+            run = 0
     return SimulationResult(str(sim.conf), sim.stats.peak_reserved_bytes, sim.stats.peak_allocated_bytes,
-                            sim.stats.num_alloc_retries, oom_at is not None, oom_at, sim.fragmentation(), worst)
+                            sim.stats.num_alloc_retries, oom_at is not None, oom_at, sim.fragmentation(), worst,
+                            at_peak, alert_min_reserved_bytes, above_floor, fires)
 
 
 RECOMMEND_CANDIDATES: tuple[str, ...] = (
