@@ -281,6 +281,7 @@ def headless_chromium(tmp_path):
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
                  "--no-first-run", f"--user-data-dir={tmp_path / 'chromium-profile'}"):
         opts.add_argument(flag)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # console messages: driver.get_log("browser")
     driver = webdriver.Chrome(service=Service(chromedriver), options=opts)
     try:
         yield driver

@@ -524,19 +524,6 @@ def test_bench_with_no_url_measures_the_builtin_pair_with_speculation_and_compar
     assert "B = HTTP/2 h2c against A = HTTP/1.1 keep-alive" in out
 
 
-@pytest.mark.slow
-def test_demo_quick_prints_the_table_and_writes_the_report(tmp_path, capsys):
-    assert main(["demo", "--quick", "--report-dir", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    for label in ("baseline", "speculative", "shared prefix"):
-        assert label in out
-    assert "sample completion" in out and "HTML report:" in out
-    res = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
-    assert res["speculative"]["spec_decode_acceptance_rate"] > 0
-    assert res["shared"]["prefix_cache_hit_rate"] > 0.3
-    assert (tmp_path / "report.html").is_file()
-
-
 def test_each_load_level_gets_fresh_prompts_and_warmups_of_their_own(tok):
     from tailserve.bench.main import BenchSession
 

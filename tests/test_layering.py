@@ -30,6 +30,8 @@ FORBIDDEN = {
     "structured": {"engine", "server", "bench", "model", "attention", "memory", "speculative", "metrics", "cli"},
     # The load generator speaks only HTTP (its tokenizer is model/tokenizer.py's wrapper).
     "bench": {"engine", "server", "attention", "memory", "speculative", "sample", "kernels"},
+    # The demo drives the server over HTTP (a child process) and the engine in process.
+    "demo": {"server", "cli"},
 }
 
 

@@ -443,7 +443,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from tailserve.bench.demo import run_demo
+    from tailserve.demo.main import run_demo
 
     return run_demo(args)
 
@@ -567,12 +567,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_compare_args(cmp_)
     bench.set_defaults(func=_cmd_bench)
 
-    demo = sub.add_parser("demo", help="the built-in pair served three ways (baseline, speculative decoding, "
-                                       "prefix caching) under the same load: one table and an HTML report")
-    demo.add_argument("--report-dir", default="tailserve-demo", help="where report.html and the plots go")
-    demo.add_argument("--num-prompts", type=int, default=None, help="requests per configuration")
-    demo.add_argument("--request-rate", type=float, default=None, help="requests/s")
-    demo.add_argument("--quick", action="store_true", help="a smaller load (for a smoke test)")
+    demo = sub.add_parser("demo", help="the three layers on the same load with and without each: where the tail "
+                                       "comes from, speculative decoding, prefix caching, KV and allocator memory")
+    demo.add_argument("--report-dir", default="tailserve-demo", help="where report.html and demo.json go")
+    demo.add_argument("--quick", action="store_true", help="smaller loads (the tests, a first look)")
+    demo.add_argument("--only", action="append", choices=["tail", "speculation", "prefix", "memory"], default=None,
+                      help="run this act only (repeatable)")
+    demo.add_argument("--model", default=None, help="a local checkpoint folder (default: the built-in target)")
+    demo.add_argument("--speculative-model", default=None,
+                      help="the draft for act 2 (default: the built-in draft with the built-in target, else "
+                           "suffix decoding)")
     demo.set_defaults(func=_cmd_demo)
 
     mem = sub.add_parser("memory", help="PyTorch CUDA caching-allocator tools")

@@ -25,8 +25,12 @@ def free_port() -> int:
 class LocalServer:
     """``with LocalServer(["--speculative-model", "builtin"]) as srv: srv.url``"""
 
-    def __init__(self, args: Sequence[str] = (), startup_timeout_s: float = 180.0) -> None:
+    def __init__(self, args: Sequence[str] = (), startup_timeout_s: float = 180.0,
+                 cpus: Sequence[int] | None = None) -> None:
         self.args = list(args)
+        # cpus: the cores the server may run on (os.sched_setaffinity in the child before it
+        # starts, so its thread pools size themselves to them); None: whatever this process has.
+        self.cpus = None if cpus is None else sorted(set(cpus))
         self.port, self.h2_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.url_h2 = f"http://127.0.0.1:{self.h2_port}"
@@ -59,7 +63,9 @@ class LocalServer:
         """Start and wait for /health: True once it answers, False when the port was taken."""
         cmd = [sys.executable, "-m", "tailserve", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                "--http2-port", str(self.h2_port), *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+        cpus = self.cpus
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus and hasattr(os, "sched_setaffinity") else None
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=pin,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
