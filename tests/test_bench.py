@@ -390,6 +390,24 @@ def two_results() -> list[dict]:
     return [a, b]
 
 
+def test_phase_chart_labels_do_not_overlap_with_many_runs(two_results):
+    """The demo's report had three runs' labels running into each other under vertical bars;
+    with six long-labelled runs every y tick label's drawn box stays clear of the others."""
+    from tailserve.bench.report import phases_figure
+
+    runs = [dict(two_results[i % 2], label=f"run {i}: speculative decoding with a long label") for i in range(6)]
+    plt, fig, ax = phases_figure(runs)
+    fig.tight_layout()
+    fig.canvas.draw()
+    boxes = [t.get_window_extent() for t in ax.get_yticklabels()]
+    plt.close(fig)
+    assert len(boxes) == 12
+    for i, a in enumerate(boxes):
+        assert a.x0 >= 0 and a.width > 0
+        for b in boxes[i + 1:]:
+            assert not a.overlaps(b), (a, b)
+
+
 def test_plots_are_pngs_of_the_stated_size(two_results):
     pngs = plots(two_results)
     assert set(pngs) == {"ttft_cdf", "tpot_cdf", "phases", "latency_vs_rate"}

@@ -140,27 +140,36 @@ def cohort_phases(result: dict[str, Any]) -> dict[str, dict[str, float]] | None:
             for name, cohort in (("median", mid), ("P99 tail", tail))}
 
 
-def phases_png(results: Sequence[dict[str, Any]]) -> bytes | None:
+def phases_figure(results: Sequence[dict[str, Any]]):
+    """(plt, fig, ax) of the phase chart, or None: one horizontal bar per run and cohort, its
+    label on the y axis, where labels stack instead of running into each other (vertical
+    bars with these labels under them overlapped once there were three runs)."""
     bars = []
     for r in results:
         c = cohort_phases(r)
         if c:
-            bars += [(f"{r.get('label')}\n{name}", v) for name, v in c.items()]
+            bars += [(f"{r.get('label')}: {name}", v) for name, v in c.items()]
     if not bars:
         return None
     plt, fig, ax = _figure()
-    x = np.arange(len(bars))
-    bottom = np.zeros(len(bars))
+    y = np.arange(len(bars))
+    left = np.zeros(len(bars))
     for ph, color in PHASE_COLORS.items():
         vals = np.array([b[1][ph] for b in bars])
-        ax.bar(x, vals, bottom=bottom, color=color, label=ph, width=0.6)
-        bottom += vals
-    ax.set_xticks(x, [b[0] for b in bars], fontsize=7)
-    ax.set_ylabel("mean time per request (ms)")
+        ax.barh(y, vals, left=left, color=color, label=ph, height=0.6)
+        left += vals
+    ax.set_yticks(y, [b[0] for b in bars], fontsize=max(5, min(8, 200 // len(bars))))
+    ax.invert_yaxis()
+    ax.set_xlabel("mean time per request (ms)")
     ax.set_title("Where the time goes: median requests vs the P99 tail")
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    return _png(plt, fig)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(axis="x", alpha=0.3)
+    return plt, fig, ax
+
+
+def phases_png(results: Sequence[dict[str, Any]]) -> bytes | None:
+    made = phases_figure(results)
+    return None if made is None else _png(made[0], made[1])
 
 
 def rate_png(results: Sequence[dict[str, Any]]) -> bytes | None:
