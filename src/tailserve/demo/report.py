@@ -48,6 +48,7 @@ th { background: #f6f8fa; }
 .bar-track { background: #f0f2f4; height: 1.1rem; border-radius: 2px; overflow: hidden; }
 .bar { display: block; height: 100%; background: #0969da; }
 .bar-value { font-variant-numeric: tabular-nums; font-size: .85rem; white-space: nowrap; }
+table.meta td { text-align: left; }
 pre { background: #f6f8fa; padding: .6rem; overflow-x: auto; font-size: .8rem; }
 """
 
@@ -83,4 +84,4 @@ def html_report(acts: Sequence[Act], header: dict[str, Any]) -> str:
     meta = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(v))}</td></tr>" for k, v in header.items())
     return (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>tailserve demo</title>'
             f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{CSS}</style></head>'
-            f"<body><h1>tailserve demo</h1><table>{meta}</table>{''.join(sections)}</body></html>")
+            f'<body><h1>tailserve demo</h1><table class="meta">{meta}</table>{"".join(sections)}</body></html>')

@@ -73,13 +73,14 @@ def _spec_clause(where: str, off: dict[str, Any], on: dict[str, Any], name: str,
 
 
 def speculation_verdict(f: dict[str, Any]) -> str:
-    parts = [_spec_clause(f"At {x['load']}", x["off"], x["adaptive"], "adaptive speculation", x.get("by", "latency"))
+    parts = [_spec_clause(f"at {x['load']}", x["off"], x["adaptive"], "adaptive speculation", x.get("by", "latency"))
              for x in f["loads"]]
     rep = f.get("repeated")
     if rep:
         parts.append(_spec_clause("on repeated requests", rep["off"], rep["suffix"], "suffix decoding",
                                   rep.get("by", "latency")))
-    return "; ".join(parts) + "."
+    text = "; ".join(parts) + "."
+    return text[:1].upper() + text[1:]
 
 
 def prefix_verdict(f: dict[str, Any]) -> str:
