@@ -90,9 +90,9 @@ def pinned(cpus: set[int] | None) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
-def _measure(setup: DemoSetup, url: str, requests: list[BenchRequest], label: str, **cfg: Any) -> dict[str, Any]:
-    warm = cfg.pop("num_warmups", 2)
-    lc = LoadConfig(base_url=url, num_warmups=warm, temperature=TEMPERATURE, top_p=TOP_P, seed=0,
+def _measure(setup: DemoSetup, url: str, requests: list[BenchRequest], label: str, num_warmups: int = 2,
+             **cfg: Any) -> dict[str, Any]:
+    lc = LoadConfig(base_url=url, num_warmups=num_warmups, temperature=TEMPERATURE, top_p=TOP_P, seed=0,
                     extra_body={"seed": 1}, **cfg)
     with pinned(setup.client_cpus):
         run = asyncio.run(run_load(lc, requests, setup.tokenizer))
@@ -226,8 +226,8 @@ def act_speculation(setup: DemoSetup, off_srv: LocalServer) -> Act:
                [("per-token latency (TPOT P50)", "ms", tpot), ("output tokens per second", "tok/s", tps)],
                [f"tailserve serve --model MODEL_DIR {spec_arg}  # adaptive k: the controller drafts only where it "
                 "measures a gain",
-                _bench_cmd(f"--num-prompts {len(loads['batch 1'][0])} --max-concurrency 1 --num-warmups 3"),
-                _bench_cmd("--num-prompts 24 --max-concurrency 8 --num-warmups 8")],
+                *(_bench_cmd(f"--num-prompts {len(reqs)} --max-concurrency {kw['max_concurrency']} "
+                             f"--num-warmups {kw['num_warmups']}") for reqs, kw in loads.values())],
                note=f"Speculation by {figs['method']} with k chosen per step from measured acceptance and costs; the "
                     "same requests with it off. Suffix decoding drafts from earlier text, here each prompt's first "
                     "answer when the same request comes again. Lossless: the outputs keep the target's distribution.",
@@ -349,7 +349,7 @@ def act_memory(setup: DemoSetup) -> Act:
     arows = [[r["conf"], _f(r["peak_reserved_mib"]), _f(r["peak_allocated_mib"]), f"{r['stranded_at_peak']:.0%}",
               f"{r['max_stranded_above_floor']:.0%}", "fires" if r["alert_fires"] else "no",
               "yes" if r["oom"] else "no"] for r in alloc_rows]
-    act = Act("memory", "4. Memory", ["KV cache", "most running at once", "mean running", "tokens/s", "preemptions",
+    return Act("memory", "4. Memory", ["KV cache", "most running at once", "mean running", "tokens/s", "preemptions",
                                       "reserved but empty MiB"],
               rows, verdicts.memory_verdict(figs), figs,
               [("sequences running at once", "seqs", [(k, c["max_concurrent"]) for k, c in cap.items()]),
@@ -366,7 +366,6 @@ def act_memory(setup: DemoSetup) -> Act:
                    f"(torch.profiler), replayed through tailserve's model of the CUDA caching allocator; the alert "
                    f"floor is {floor / mib:.1f} MiB here (the monitor's 1 GiB is sized for a GPU). A model, not a "
                    "measurement of a GPU.",
-              seconds=time.perf_counter() - t0)
-    act.extra_table = (["PYTORCH_CUDA_ALLOC_CONF", "peak reserved MiB", "peak allocated MiB", "stranded at peak",
-                        "max stranded above floor", f"alert (>{ALERT_THRESHOLD:.0%})", "out of memory"], arows)
-    return act
+              seconds=time.perf_counter() - t0,
+              extra_table=(["PYTORCH_CUDA_ALLOC_CONF", "peak reserved MiB", "peak allocated MiB", "stranded at peak",
+                            "max stranded above floor", f"alert (>{ALERT_THRESHOLD:.0%})", "out of memory"], arows))
