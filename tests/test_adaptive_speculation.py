@@ -268,14 +268,20 @@ def test_a_steps_throughput_counts_for_the_k_it_ran_with():
     measured = ctl.last_round  # step N: 4 decoding, k 3, steady
     ctl._set(0, 4)  # step N + 1, chosen before step N's cost is known
     ctl.observe_throughput(12, 0.01, *measured)
-    assert list(ctl.rates[(ctl.bucket(4), 3)].steps) == [(12, 0.01)] and (ctl.bucket(4), 0) not in ctl.rates
+    assert list(ctl.rates[(ctl.bucket(4), 3)].steps) == [(12, 0.01, 0, 0)] and (ctl.bucket(4), 0) not in ctl.rates
 
 
-def _measured(b, rates_by_k, objective="goodput", **slo):
-    """A controller that has measured (tokens, seconds) a step for each k at batch b."""
+def _measured(b, rates_by_k, objective="goodput", model_says_off=False, **slo):
+    """A controller that has measured (tokens, seconds) a step for each k at batch b (its
+    cost model says speculate, or with ``model_says_off`` says off: then no k is explored
+    on the model's word)."""
     from tailserve.config import SloBounds
 
-    ctl = _optimistic(explore_every=10**9, objective=objective, slo=SloBounds(**slo))
+    ctl = AdaptiveSpeculation(k_max=6, explore_every=10**9, objective=objective, slo=SloBounds(**slo))
+    for _ in range(40):
+        ctl.observe_round(1 if model_says_off else 4, 4, cap=6)
+    _feed_costs(ctl, (3e-3, 1e-3) if model_says_off else (3e-3, 1e-7), (5e-4, 1e-5) if model_says_off else (5e-4, 1e-7))
+    assert (ctl._model_choice(b)[0] == 0) == model_says_off
     for k, (tokens, seconds) in rates_by_k.items():
         _steady(ctl, b, k, tokens=tokens, seconds=seconds)
     ctl._set(0, b)
@@ -301,20 +307,22 @@ def test_goodput_drops_speculation_when_its_longer_step_would_cost_a_waiting_req
 
 
 def test_goodput_speculates_for_a_request_at_its_tpot_bound_where_throughputs_margin_stays_off():
-    """k = 2 is 8% faster than off at batch 4: below the 10% that throughput asks before it
+    """k = 2 is 5% faster than off at batch 4: below the 7% that throughput asks before it
     switches on. One request's TPOT so far sits at its 5 ms bound: off (5 ms a token) pushes
-    it over, k = 2 (4.63 ms) keeps it within, so goodput speculates. With every request well
+    it over, k = 2 (4.76 ms) keeps it within, so goodput speculates. With every request well
     within the bound, goodput keeps throughput's choice."""
     from tailserve.speculative.adaptive import SloState
 
-    steps = {0: (4, 0.005), 2: (8.64, 0.010)}  # 5 and 4.63 ms a token a request
+    # 5 and 4.76 ms a token a request; k = 1 measured below off, so the cost model, calibrated
+    # by it, proposes no other k to explore.
+    steps = {0: (4, 0.005), 1: (5.5, 0.0075), 2: (8.4, 0.010)}
     at_bound = SloState(decode_elapsed_s=(0.2, 0.2, 0.2, 0.0504), decode_tokens=(100, 100, 100, 10))
-    thr = _measured(4, steps, objective="throughput", tpot_s=0.005)
+    thr = _measured(4, steps, objective="throughput", model_says_off=True, tpot_s=0.005)
     assert thr.choose_k(4, at_bound) == 0
-    good = _measured(4, steps, tpot_s=0.005)
+    good = _measured(4, steps, model_says_off=True, tpot_s=0.005)
     assert good.choose_k(4, at_bound) == 2
     within = SloState(decode_elapsed_s=(0.2, 0.2, 0.2, 0.02), decode_tokens=(100, 100, 100, 10))
-    good = _measured(4, steps, tpot_s=0.005)
+    good = _measured(4, steps, model_says_off=True, tpot_s=0.005)
     assert good.choose_k(4, within) == 0 and good.num_goodput_overrides == 0
 
 
@@ -323,3 +331,83 @@ def test_goodput_of_a_k_never_measured_here_is_unknown():
 
     ctl = _measured(1, {0: (1, 0.005)}, ttft_s=0.001)
     assert ctl.goodput(1, 3, SloState((0.1,), (20,), (1.0,))) is None
+
+
+def test_a_k_measured_badly_once_is_measured_again_while_off():
+    """The model's k had one bad window (a slow stretch of the machine) and speculation went
+    off. The explorations while off measure that k again rather than another one, so once it
+    pays it is switched back on; a stale window must not keep it off for good."""
+    ctl = _optimistic(explore_every=10)
+    model_k = ctl._model_choice(1)[0]
+    _steady(ctl, 1, model_k, tokens=1 + model_k, seconds=0.1)  # 1 + k tokens in 100 ms: bad
+    _steady(ctl, 1, 0, tokens=1, seconds=0.005)
+    ctl._decided[ctl.bucket(1)] = 0
+    ks, _ = _run(ctl, 1, lambda k: (1 + 0.8 * k, 0.005 + 0.0005 * k), 300)  # every k pays now
+    assert sum(1 for k in ks[-100:] if k > 0) > 80
+
+
+def test_a_rounds_accepted_drafts_count_at_their_expectation():
+    """How many drafts a round accepts varies from 0 to k; a window's rate counts each round
+    at the acceptance figures' expectation, so two windows of the same steps that differ
+    only in their luck measure the same rate. Without rounds reported, tokens count as they
+    came."""
+    lucky, unlucky = AdaptiveSpeculation(k_max=4), AdaptiveSpeculation(k_max=4)
+    for ctl in (lucky, unlucky):
+        for accepted in (0, 4) * 20:
+            ctl.observe_round(accepted, 4, cap=4)
+        ctl._set(4, 1)
+        ctl._set(4, 1)
+    expected = lucky.expected_accepted(4)
+    assert 1.5 < expected < 2.5
+    for _ in range(4):
+        lucky.observe_throughput(5, 0.01, *lucky.last_round, num_rounds=1, num_accepted=4)
+        unlucky.observe_throughput(1, 0.01, *unlucky.last_round, num_rounds=1, num_accepted=0)
+    assert lucky.measured_rate(1, 4) == pytest.approx(unlucky.measured_rate(1, 4))
+    assert lucky.measured_rate(1, 4) == pytest.approx((1 + expected) / 0.01)
+    plain = AdaptiveSpeculation(k_max=4)
+    _steady(plain, 1, 4, tokens=5, seconds=0.01)
+    assert plain.measured_rate(1, 4) == pytest.approx(500)
+
+
+def test_admission_steps_are_charged_apart_from_the_windows():
+    """A step that admits a request (prompt tokens in it) stays out of k's window; what its
+    proposal took (the draft's prefill of the prompt) is charged to k's rate at the bucket's
+    admissions per token. Off pays the target's prefill like every k: nothing is charged."""
+    ctl = AdaptiveSpeculation(k_max=4)
+    for k in (0, 2):
+        ctl._set(k, 1)
+        ctl._set(k, 1)
+        for _ in range(9):
+            ctl.observe_throughput(3 if k else 1, 0.006 if k else 0.003, *ctl.last_round)
+        ctl.observe_throughput(1, 0.030, *ctl.last_round, decode_only=False, propose_s=0.010 if k else 0.0)
+    assert ctl.measured_rate(1, 0) == pytest.approx(1 / 0.003)
+    tokens = 9 * 1 + 1 + 9 * 3 + 1  # every step's tokens, both k's: the workload's mix
+    per_token = 0.006 / 3 + 2 / tokens * 0.010
+    assert ctl.measured_rate(1, 2) == pytest.approx(1 / per_token)
+
+
+def test_a_cold_controller_does_not_explore_the_models_k_after_k1_measured_below_off():
+    """The cost model leaves out what drafts cost besides the forwards (the rejection
+    sampler, bookkeeping): it says k = 2 at batch 4, where every k is slower than off. After
+    the cold start's k = 1 measured below off, the model calibrated by it proposes nothing
+    more, and the run stays off."""
+    ctl = AdaptiveSpeculation(k_max=6, explore_every=10**9)
+    for accepted, count in ((0, 16), (1, 10), (2, 6), (3, 4), (4, 6)):  # about 60% acceptance
+        for _ in range(count):
+            ctl.observe_round(accepted, 4, cap=4)
+    for n in (1, 4, 16):
+        ctl.target_cost.observe(n, 3e-3 + 1e-7 * n)
+
+    def machine(k):
+        if k:  # the engine reports the draft's forwards with the proposal
+            ctl.draft_cost.observe(4, 5e-4)
+        return 4 * (1 + 0.5 * min(k, 2)), 0.004 * (1 + 0.67 * k)  # k = 1: 0.9x off, then worse
+
+    ks, _ = _run(ctl, 4, machine, 200)
+    assert ctl._model_choice(4)[0] == 0
+    uncalibrated = AdaptiveSpeculation(k_max=6)
+    uncalibrated._all_round_figures = ctl._all_round_figures
+    uncalibrated.target_cost, uncalibrated.draft_cost = ctl.target_cost, ctl.draft_cost
+    assert uncalibrated._model_choice(4)[0] > 1
+    assert ks[:10] == [0] * 5 + [1] * 5  # off measured first, then the draft's cost at k = 1
+    assert ks[10:] == [0] * 190

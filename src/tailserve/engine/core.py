@@ -57,6 +57,8 @@ class _StepTiming:
     decode_only: bool
     num_emitted: int = 0
     spec_round: tuple[int, int, bool, bool] | None = None
+    num_rounds: int = 0
+    num_accepted: int = 0
 
 
 class EngineCore:
@@ -179,7 +181,9 @@ class EngineCore:
         self.num_steps += 1
         self._pending_timing = _StepTiming(t0, sched.num_scheduled_tokens, result.target_forward_s,
                                            result.propose_s, not any(s.is_prefill for s in sched.scheduled),
-                                           sum(len(o.new_token_ids) for o in outputs), sched.spec_round)
+                                           sum(len(o.new_token_ids) for o in outputs), sched.spec_round,
+                                           sum(1 for o in outputs if o.num_draft_tokens),
+                                           sum(o.num_accepted_tokens for o in outputs))
         self._record_step(sched, time.perf_counter_ns() - t0, self.scheduler.num_preemptions - preempted_before)
         return outputs
 
@@ -237,7 +241,8 @@ class EngineCore:
             return
         end_ns = time.perf_counter_ns() if end_ns is None else end_ns
         self._last_cost = StepCost(timing.num_tokens, timing.num_emitted, (end_ns - timing.started_ns) * 1e-9,
-                                   timing.target_forward_s, timing.propose_s, timing.spec_round, timing.decode_only)
+                                   timing.target_forward_s, timing.propose_s, timing.spec_round, timing.decode_only,
+                                   timing.num_rounds, timing.num_accepted)
 
     def _record_step(self, sched, duration_ns: int, preemptions: int) -> None:
         running = self.scheduler.running

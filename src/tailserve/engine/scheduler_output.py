@@ -194,6 +194,8 @@ class StepCost:
     # No prompt tokens in it: only such steps feed the cost model's fit (a prefill chunk's
     # tokens cost more each); every step counts in the measured throughput.
     decode_only: bool = True
+    num_rounds: int = 0  # requests that verified drafts in the step
+    num_accepted: int = 0  # drafts they accepted (part of num_emitted)
 
 
 class StepAppliedError(RuntimeError):

@@ -28,27 +28,35 @@ being free and the best k falls, down to 0 (speculation off). With a fixed
 The model can still be wrong where costs are not linear (a compiled kernel that takes up to
 16 rows, a batch that spills to a slower path) or are not in it (the rejection sampler, the
 draft's bookkeeping). So the controller also measures what each k delivered: tokens emitted
-per second of whole step (steps that admit requests included), per batch-size bucket (1, 2,
-3-4, 5-8, ...; all-greedy batches apart), from steps whose k
-equals the previous step's (a step verifies the previous step's drafts and proposes its
-own), over the last ``rate_window`` such steps, as total tokens over total seconds without
-the steps that took more than five times the median (a descheduled process: on a shared
-2-core machine a plain running average of per-step rates let one slow step decide).
+per second of whole step, per batch-size bucket (1, 2, 3-4, 5-8, ...; all-greedy batches
+apart), from decode steps whose k equals the previous step's (a step verifies the previous
+step's drafts and proposes its own), over the last ``rate_window`` such steps, as total
+tokens over total seconds without the steps that took more than five times the median (a
+descheduled process: on a shared 2-core machine a plain running average of per-step rates
+let one slow step decide). Two sources of noise are taken out: each verified round counts
+its accepted drafts at the acceptance figures' expectation (a few steps measure what a k
+costs; what it yields comes from every round), and steps that admit a request stay out of
+the windows, the draft's prefill in them charged to every k > 0 at the bucket's admissions
+per token. The cost model's choice is calibrated by the measured rates, and a bucket's
+decision holds for ``decide_every`` steps (deciding costs ~120 us of Python).
 
 Measured beats modelled: in a bucket where off or the candidate k has no measurement yet,
 the controller measures it first (off first: a cold start never speculates on the model's
-word alone), then speculates only while the measured k beats off by ``switch_margin``.
-Switching on takes twice that, and off measured again after the candidate and beaten by the
-candidate's newest stretch alone: every switch on costs the draft a catch-up over the tokens
-generated meanwhile, which no steady step measures, and two windows taken minutes apart
-compare the machine's drift (±10-25% here), not k. Explorations last ``explore_len`` steps.
-While speculating they take turns: off, then another k (the model's choice, or where that is
-the k in use a random one at most one above the model's best), so off every other time, since
-an off probe costs little exactly where speculation's lead is thin. While off they probe
-k = 1. Each exploration's cost (its seconds beyond what the k in use would have taken for its
-tokens) sets the least number of steps before the bucket's next, so that explorations cost at
-most ``explore_budget`` of its time; while they keep confirming speculation off in a bucket,
-they also come half as often each time (down to 1 in ``max_backoff`` x explore_every steps).
+word alone), then speculates with the best measured k only while it beats off by
+``switch_margin``.
+Switching on takes ``switch_on_margin``, and off measured again after the candidate and
+beaten by the candidate's newest stretch alone: every switch on costs the draft a catch-up
+over the tokens generated meanwhile, which no steady step measures, and two windows taken
+minutes apart compare the machine's drift (±10-25% here), not k. Explorations last
+``explore_len`` steps. While speculating they take turns: off, then another k (the model's
+choice, or where that is the k in use a random one at most one above the model's best), so
+off every other time, since an off probe costs little exactly where speculation's lead is
+thin. While off they probe the best measured k (k = 1 where none is), the one the next
+decision weighs against off. Each exploration's cost (its seconds beyond what the k in use
+would have taken for its tokens) sets the least number of steps before the bucket's next, so
+that explorations cost at most ``explore_budget`` of its time; while they keep confirming
+speculation off in a bucket, they also come half as often each time (down to 1 in
+``max_backoff`` x explore_every steps).
 Measured on the built-in pair (docs/benchmarks.md): without the measured check, batch 16
 greedy ran at 0.73x of speculation off on a 2-core AVX2 CPU; with the running average of
 per-step rates, batch 16
@@ -128,46 +136,83 @@ class _Share:
 
 @dataclass
 class _RateWindow:
-    """One (batch bucket, k)'s last steady steps: tokens emitted and seconds, each."""
+    """One (batch bucket, k)'s last steady steps: per step the tokens emitted, the seconds,
+    and the verified rounds in it with their accepted drafts (see ``per_step``)."""
 
     size: int = 32
-    steps: deque = field(default_factory=deque)
-    _mean: tuple[float, float] | None = None  # per_step(), until the next step comes in
+    steps: deque = field(default_factory=deque)  # (tokens, seconds, rounds, accepted)
+    _kept: tuple[float, float, float, float, int] | None = None  # sums over the kept steps, until the next add
     last_step: int = -1  # the controller's step count when the newest step came in
     run: int = 0  # how many of the newest steps came in consecutively (one stretch of this k)
 
-    def add(self, tokens: int, seconds: float, step: int = -1) -> None:
+    def add(self, tokens: int, seconds: float, step: int = -1, rounds: int = 0, accepted: int = 0) -> None:
         self.run = self.run + 1 if step <= self.last_step + 1 else 1
         self.last_step = step
-        self.steps.append((tokens, seconds))
+        self.steps.append((tokens, seconds, rounds, accepted))
         if len(self.steps) > self.size:
             self.steps.popleft()
-        self._mean = None
+        self._kept = None
 
-    def rate(self) -> float:
-        """Tokens per second over the window, leaving out steps slower than five times the
-        median step (a descheduled process measures the machine, not k). Slow steps that k
-        itself causes stay in: the draft's prefill of a newly admitted prompt, a collection
-        of the objects speculation allocates."""
-        tokens, seconds = self.per_step()
+    @staticmethod
+    def _sums(steps: list) -> tuple[float, float, float, float, int]:
+        """Sums of (tokens, seconds, rounds, accepted) over ``steps`` without those slower
+        than five times the median step (a descheduled process measures the machine, not k).
+        Slow steps that k itself causes stay in: the draft's prefill of a newly admitted
+        prompt, a collection of the objects speculation allocates."""
+        limit = 5.0 * statistics.median(s[1] for s in steps)
+        kept = [s for s in steps if s[1] <= limit]
+        return (sum(s[0] for s in kept), sum(s[1] for s in kept), sum(s[2] for s in kept),
+                sum(s[3] for s in kept), len(kept))
+
+    @staticmethod
+    def _tokens(sums: tuple[float, float, float, float, int], accepted_per_round: float | None) -> float:
+        """Tokens of the kept steps, each round's accepted drafts replaced by their expectation
+        when given: how many a round accepts varies from 0 to k (at k = 8 and 85% acceptance
+        a three-step mean of the tokens is +-30%), while the seconds a step of k takes hardly
+        do, and the acceptance figures behind the expectation pool every round verified. So a
+        few steps of a k measure its cost, and its yield comes from all rounds."""
+        tokens, _, rounds, accepted, _ = sums
+        return tokens if accepted_per_round is None else tokens - accepted + rounds * accepted_per_round
+
+    def rate(self, accepted_per_round: float | None = None) -> float:
+        """Tokens per second over the window (see ``_sums`` and ``_tokens``)."""
+        tokens, seconds = self.per_step(accepted_per_round)
         return tokens / seconds
 
-    def last_run_rate(self) -> float:
+    def last_run_rate(self, accepted_per_round: float | None = None) -> float:
         """``rate`` over the newest consecutive stretch only (what the machine gave this k
         lately, for comparing two stretches run one after the other)."""
-        newest = list(self.steps)[-min(self.run, len(self.steps)):]
-        limit = 5.0 * statistics.median(s for _, s in newest)
-        kept = [(n, s) for n, s in newest if s <= limit]
-        return sum(n for n, _ in kept) / sum(s for _, s in kept)
+        sums = self._sums(list(self.steps)[-min(self.run, len(self.steps)):])
+        return self._tokens(sums, accepted_per_round) / sums[1]
 
-    def per_step(self) -> tuple[float, float]:
-        """(tokens, seconds) of a mean step, over the same steps as ``rate`` (kept until the
-        next step: a choice reads several windows several times a step)."""
-        if self._mean is None:
-            limit = 5.0 * statistics.median(s for _, s in self.steps)
-            kept = [(n, s) for n, s in self.steps if s <= limit]
-            self._mean = (sum(n for n, _ in kept) / len(kept), sum(s for _, s in kept) / len(kept))
-        return self._mean
+    def per_step(self, accepted_per_round: float | None = None) -> tuple[float, float]:
+        """(tokens, seconds) of a mean step, over the same steps as ``rate`` (the kept steps'
+        sums are kept until the next step: a choice reads several windows several times)."""
+        if self._kept is None:
+            self._kept = self._sums(list(self.steps))
+        n = self._kept[4]
+        return self._tokens(self._kept, accepted_per_round) / n, self._kept[1] / n
+
+
+@dataclass
+class _Admissions:
+    """A batch bucket's admissions: per token emitted, and what the proposal of a step that
+    admits a request takes with k > 0 (the draft's prefill of the prompt), as the median of
+    the last few: the draft's first prefill ever (kernels built, buffers sized) took several
+    times the later ones and, averaged in, kept a cold batch-1 run off for 230 steps."""
+
+    tokens: float = 0.0
+    admissions: float = 0.0
+    propose_s: deque = field(default_factory=lambda: deque(maxlen=15))
+
+    def observe(self, num_tokens: int, admits: bool, propose_s: float | None) -> None:
+        if self.tokens > 1e5:  # the workload's recent mix: older halves fade
+            self.tokens, self.admissions = self.tokens / 2, self.admissions / 2
+        self.tokens += num_tokens
+        if admits:
+            self.admissions += 1
+            if propose_s is not None:
+                self.propose_s.append(propose_s)
 
 
 @dataclass(frozen=True)
@@ -211,6 +256,9 @@ class AdaptiveSpeculation:
     # choice: 3 measured steps when it ends.
     explore_len: int = 5
     switch_margin: float = 0.05  # speculation stays on only while measured >= 5% above off
+    # ... and switches on at 7% above: twice the margin (before the windows' noise was taken
+    # out) kept k = 1, 1.2x off at batch 1, off for most of a cold run (AVX2, built-in pair).
+    switch_on_margin: float = 0.07
     # Measured throughput: (batch bucket, k) -> its last rate_window steady steps.
     rate_window: int = 32
     min_rate_steps: int = 3
@@ -236,12 +284,16 @@ class AdaptiveSpeculation:
     # The most a bucket's periodic explorations may cost, as a share of its time: each
     # exploration's cost (its seconds beyond what the k in use would have taken for the same
     # tokens, the draft's catch-up included) sets how many steps must pass before the next.
-    explore_budget: float = 0.02
+    explore_budget: float = 0.01
     _min_interval: dict = field(default_factory=dict)  # per bucket: steps, from the last exploration's cost
     _probe: dict | None = None  # the exploration being costed (see ``_cost_exploration``)
     _judge_bucket: int | None = None  # an exploration just ended here: its verdict is pending
     _greedy: bool = False  # the batch class of the choice being made (see ``bucket``)
     _decided: dict[int, int] = field(default_factory=dict)  # per bucket: the last k decided (not explored)
+    _expected: list[float] | None = None  # expected_accepted per cap, until the next round comes in
+    _admissions: dict[int, _Admissions] = field(default_factory=dict)  # per batch bucket
+    decide_every: int = 8  # steps a bucket's decision holds (explorations still come when due)
+    _held: dict[int, list[int]] = field(default_factory=dict)  # per bucket: [k, steps it still holds]
 
     def __post_init__(self) -> None:
         n = self.k_max + 1
@@ -271,6 +323,7 @@ class AdaptiveSpeculation:
         if num_drafts <= 0:
             return
         cap = num_drafts if cap is None else cap
+        self._expected = None
         self._unit /= self.forget
         if self._unit > 1e100:  # rescale long before float range runs out
             for shares in (self._go, self._acc, self._more):
@@ -333,28 +386,65 @@ class AdaptiveSpeculation:
         return self._last_b, self.last_k, self._prev_k == self.last_k, self._greedy
 
     def observe_throughput(self, num_tokens: int, seconds: float, num_decoding: int, k: int, steady: bool,
-                           greedy: bool = False) -> None:
-        """A step with ``num_decoding`` decoding requests drafting ``k`` (its ``last_round``;
-        prompt chunks beside them included) emitted ``num_tokens`` tokens in ``seconds`` of
-        whole step. Counted for its k only when the previous step chose the same k (steady
-        state)."""
+                           greedy: bool = False, num_rounds: int = 0, num_accepted: int = 0,
+                           decode_only: bool = True, propose_s: float = 0.0) -> None:
+        """A step with ``num_decoding`` decoding requests drafting ``k`` (its ``last_round``)
+        emitted ``num_tokens`` tokens in ``seconds`` of whole step, ``num_accepted`` of them
+        accepted drafts of the ``num_rounds`` requests that verified drafts in it; its
+        proposal took ``propose_s``. A decode-only step counts for its k only when the
+        previous step chose the same k (steady state); a step with prompt tokens (one that
+        admits a request) counts apart, see ``_admission_s``."""
         if self.fixed_k is not None or seconds <= 0 or num_decoding <= 0:
             return
         if self._probe is not None:
             self._cost_exploration(num_tokens, seconds)
+        bkt = self.bucket(num_decoding, greedy)
+        adm = self._admissions.get(bkt)
+        if adm is None:
+            adm = self._admissions[bkt] = _Admissions()
+        adm.observe(num_tokens, not decode_only, propose_s if k > 0 else None)
+        if not decode_only:
+            return
         if not steady:
             return
-        key = (self.bucket(num_decoding, greedy), k)
+        key = (bkt, k)
         window = self.rates.get(key)
         if window is None:
             window = self.rates[key] = _RateWindow(self.rate_window)
-        window.add(num_tokens, seconds, self._steps)
+        window.add(num_tokens, seconds, self._steps, num_rounds, num_accepted)
+        if len(window.steps) == self.min_rate_steps:
+            self._held.pop(bkt, None)  # a k measured for the first time here: decide afresh
 
     def measured_rate(self, num_decoding: int, k: int) -> float | None:
         """Tokens/s measured with ``k`` at this batch size, for the batch class (greedy or
         not) of the choice being made."""
-        window = self.rates.get((self.bucket(num_decoding, self._greedy), k))
-        return window.rate() if window is not None and len(window.steps) >= self.min_rate_steps else None
+        bkt = self.bucket(num_decoding, self._greedy)
+        window = self.rates.get((bkt, k))
+        if window is None or len(window.steps) < self.min_rate_steps:
+            return None
+        return self._with_admissions(window.rate(self.expected_accepted(k)), bkt, k)
+
+    def _with_admissions(self, decode_rate: float, bkt: int, k: int) -> float:
+        """Tokens/s over decode steps at ``decode_rate``, with what admitting requests adds to
+        k's steps: the draft's prefill of each new prompt (the proposal of a step that admits
+        one, measured), at the bucket's admissions per token. Admission steps stay out of
+        the windows: at batch 1 a 28 ms admission step beside 6 ms decode steps moved a
+        32-step window's rate by 15% depending on whether one fell inside it (AVX2, built-in
+        pair), which decided between k's that differed by less. The target's own prefill is
+        paid whatever k is, and is left out of every k's rate alike."""
+        adm = self._admissions.get(bkt)
+        if k <= 0 or adm is None or not adm.propose_s or adm.tokens <= 0:
+            return decode_rate
+        return 1.0 / (1.0 / decode_rate + adm.admissions / adm.tokens * statistics.median(adm.propose_s))
+
+    def expected_accepted(self, k: int) -> float | None:
+        """Accepted drafts a round is expected to yield under cap ``k`` (None for k = 0),
+        from the acceptance figures of every round verified (see ``_RateWindow._tokens``)."""
+        if k <= 0:
+            return None
+        if self._expected is None:
+            self._expected = [f[0] - 1.0 for f in self._all_round_figures(self.k_max)]
+        return self._expected[min(k, self.k_max) - 1]
 
     def _best_measured(self, num_decoding: int, cap: int) -> tuple[int, float | None]:
         """The measured k in 1..cap with the highest rate in this bucket (0, None: none)."""
@@ -397,20 +487,30 @@ class AdaptiveSpeculation:
             return self._explore(0, bkt, num_decoding)  # measured first: speculation off
         if not self.draft_cost.ready:
             return self._explore(1, bkt, num_decoding)  # the draft's cost, at the cheapest k
-        model_k, best_pos = self._model_choice(num_decoding, cap)
         since = self._since_explore.get(bkt, 0) + 1
         self._since_explore[bkt] = since
-        if since >= max(self.explore_every * self._backoff.get(bkt, 1), self._min_interval.get(bkt, 0)):
+        due = since >= max(self.explore_every * self._backoff.get(bkt, 1), self._min_interval.get(bkt, 0))
+        held = self._held.get(bkt)
+        if held is not None and held[1] > 0 and not due and self.objective == "throughput":
+            # The bucket's last decision holds for decide_every steps: its windows move by a
+            # step or two meanwhile, and deciding afresh each step cost ~120 us of Python, 5%
+            # of a 2.4 ms batch-1 step, paid with speculation off too.
+            held[1] -= 1
+            return self._set(held[0], num_decoding)
+        model_k, best_pos = self._model_choice(num_decoding, cap)
+        if due:
             # Keep the cost fits and the measured rates fresh. While on: off, then another k (at
             # most one above the model's best k > 0: a long draft at a large batch costs). While
-            # off, k = 1, the cheapest probe of whether speculation pays now (once on, the turns
-            # find a better k): each such exploration also costs the draft
-            # a catch-up over every token generated since it last ran, and probing k = 5 at
-            # batch 16 cost several percent of the whole run (AVX-512, built-in pair).
+            # off, the k that the next decision will weigh against off (the best measured one,
+            # else k = 1, the cheapest probe), so that what decides was measured lately: one
+            # bad window of the model's k = 8, never run again, kept speculation off for the
+            # rest of a batch-1 run where k = 1 measured 1.2x off (AVX2, built-in pair). Each
+            # exploration also costs the draft a catch-up over every token generated since it
+            # last ran, which the exploration budget charges to the bucket.
             self._since_explore[bkt] = 0
             self._judge_bucket = bkt
             if self._decided.get(bkt, 0) == 0:
-                return self._explore(1, bkt, num_decoding)
+                return self._explore(self._best_measured(num_decoding, cap)[0] or 1, bkt, num_decoding)
             turn = self._explore_turn
             self._explore_turn += 1
             cur = self._decided[bkt]
@@ -418,19 +518,21 @@ class AdaptiveSpeculation:
             alt = best_pos if best_pos != cur else self._rng.choice(others) if others else 0
             return self._explore(alt if turn % 2 else 0, bkt, num_decoding)
         k = 0
-        if model_k > 0 or self.measured_rate(num_decoding, best_pos) is not None:
-            # Measured beats modelled: the model's k where it is measured, else the best
-            # measured k; with a margin towards off (see the module docstring).
-            cand = model_k if model_k > 0 else best_pos
-            on = self.measured_rate(num_decoding, cand)
-            if on is None:
-                cand, on = self._best_measured(num_decoding, cap)
+        best_k, best = self._best_measured(num_decoding, cap)
+        if model_k > 0 or best is not None:
+            # Measured beats modelled: the best measured k, with a margin towards off (see the
+            # module docstring); the model's k is measured before off is concluded (the model
+            # finds a k worth trying, the measurements choose).
+            # Whether this bucket was on before (an exploration's own k does not count).
+            was_on = self._decided.get(bkt, 0) > 0
+            margin = self.switch_margin if was_on else self.switch_on_margin
+            cand, on = best_k, best
+            if model_k > 0 and (on is None or on < off * (1.0 + margin)) \
+                    and self.measured_rate(num_decoding, model_k) is None:
+                cand, on = model_k, None
             if on is None:
                 self._judge_bucket = bkt  # its verdict sets the bucket's backoff too
                 return self._explore(cand if cand else best_pos, bkt, num_decoding)
-            # Whether this bucket was on before (an exploration's own k does not count).
-            was_on = self._decided.get(bkt, 0) > 0
-            margin = self.switch_margin if was_on else 2 * self.switch_margin
             if on >= off * (1.0 + margin):
                 if not was_on and self._stale_off(bkt, cand):
                     # Switching on needs off measured again after the candidate: windows taken
@@ -446,6 +548,7 @@ class AdaptiveSpeculation:
             self._backoff[bkt] = min(self._backoff.get(bkt, 1) * 2, self.max_backoff) if k == 0 else 1
             self._judge_bucket = None
         self._decided[bkt] = k
+        self._held[bkt] = [k, self.decide_every - 1]
         return self._set(k, num_decoding)
 
     def goodput(self, num_decoding: int, k: int, state: SloState) -> float | None:
@@ -464,7 +567,7 @@ class AdaptiveSpeculation:
         window = self.rates.get((self.bucket(num_decoding, self._greedy), k))
         if window is None or len(window.steps) < self.min_rate_steps:
             return None
-        tokens, seconds = window.per_step()
+        tokens, seconds = window.per_step(self.expected_accepted(k))
         per_request = tokens / max(num_decoding, 1)
         slo = self.slo or SloBounds()
         ok = 0
@@ -500,10 +603,12 @@ class AdaptiveSpeculation:
 
     def _last_runs_agree(self, bkt: int, k: int, margin: float) -> bool:
         """Whether ``k``'s newest stretch beat off's (run after it) by ``margin`` too."""
-        return self.rates[(bkt, k)].last_run_rate() >= self.rates[(bkt, 0)].last_run_rate() * (1.0 + margin)
+        on = self._with_admissions(self.rates[(bkt, k)].last_run_rate(self.expected_accepted(k)), bkt, k)
+        return on >= self.rates[(bkt, 0)].last_run_rate() * (1.0 + margin)
 
     def _explore(self, k: int, bucket: int, num_decoding: int) -> int:
         """Run ``k`` for the next ``explore_len`` steps (this one included)."""
+        self._held.pop(bucket, None)  # the choice after it is made afresh
         self._explore_k = k
         self._explore_left = self.explore_len - 1
         if self._probe is not None:  # its last reports would be this exploration's steps
@@ -512,7 +617,8 @@ class AdaptiveSpeculation:
         if window is not None and len(window.steps) >= self.min_rate_steps and k != self._decided.get(bucket, 0):
             # Its steps and the one after (which verifies its last drafts) are costed against
             # the k in use; the report that comes next is still the previous step's.
-            self._probe = {"bucket": bucket, "rate": window.rate(), "step_s": window.per_step()[1],
+            e = self.expected_accepted(self._decided.get(bucket, 0))
+            self._probe = {"bucket": bucket, "rate": window.rate(e), "step_s": window.per_step(e)[1],
                            "skip": 1, "left": self.explore_len + 1, "tokens": 0, "seconds": 0.0}
         return self._set(k, num_decoding)
 
@@ -544,21 +650,40 @@ class AdaptiveSpeculation:
         self._min_interval[probe["bucket"]] = int(cost_s / (self.explore_budget * probe["step_s"]))
 
     def _model_choice(self, num_decoding: int, cap: int | None = None) -> tuple[int, int]:
-        """(the cost model's best k, its best k > 0), k <= cap (default: ``k_cap``)."""
+        """(the cost model's best k, its best k > 0), k <= cap (default: ``k_cap``).
+
+        Calibrated by what was measured in the bucket: off's rate scaled to off's measured one,
+        every k > 0 by the measured/modelled ratio of the k > 0 with the most steps behind it
+        (by off's ratio while none is measured). The model leaves out costs that come with
+        drafts (the rejection sampler, the drafts' bookkeeping: at batch 4 a k = 2 step took 11
+        ms where it modelled 7.6, built-in pair, AVX2), so uncalibrated it sent a cold
+        controller to explore k = 2 after k = 1 had measured 0.89x of off, a few percent of a
+        short run lost for nothing."""
         cap = self.k_cap(num_decoding) if cap is None else cap
         b = num_decoding
         other = self.step_overhead_s
         t_alpha, t_beta = self.target_cost.params()
         d_alpha, d_beta = self.draft_cost.params()
         draft_step = d_alpha + d_beta * b
-        best_k, best_rate = 0, b / (t_alpha + t_beta * b + other)
-        best_pos, best_pos_rate = 1, 0.0
+        rates = [b / (t_alpha + t_beta * b + other)]
         for k, (tokens, drafts) in enumerate(self._all_round_figures(cap), start=1):
             # The chain runs while any row drafts: one row's own count of forwards, drifting
             # to the cap as the batch grows.
             forwards = drafts + (k - drafts) * (1.0 - 1.0 / b)
             seconds = t_alpha + t_beta * b * (1.0 + drafts) + other + forwards * draft_step
-            rate = b * tokens / seconds
+            rates.append(b * tokens / seconds)
+        off = self.measured_rate(b, 0)
+        scale_off = off / rates[0] if off is not None else 1.0
+        scale_on, most = scale_off, 0  # no k measured yet: the model's own comparison
+        bkt = self.bucket(b, self._greedy)
+        for k in range(1, cap + 1):
+            window = self.rates.get((bkt, k))
+            if window is not None and len(window.steps) > most and (rate := self.measured_rate(b, k)) is not None:
+                scale_on, most = rate / rates[k], len(window.steps)
+        best_k, best_rate = 0, rates[0] * scale_off
+        best_pos, best_pos_rate = 1, 0.0
+        for k in range(1, cap + 1):
+            rate = rates[k] * scale_on
             if rate > best_rate:
                 best_k, best_rate = k, rate
             if rate > best_pos_rate:
