@@ -384,6 +384,13 @@ def test_admission_steps_are_charged_apart_from_the_windows():
     tokens = 9 * 1 + 1 + 9 * 3 + 1  # every step's tokens, both k's: the workload's mix
     per_token = 0.006 / 3 + 2 / tokens * 0.010
     assert ctl.measured_rate(1, 2) == pytest.approx(1 / per_token)
+    # With a few admission steps on both sides, the charge is the difference of their
+    # medians: everything a k adds to such a step, the verify rows beside the prompt too.
+    for k, seconds in ((0, 0.030), (0, 0.031), (2, 0.050), (2, 0.052)):
+        ctl._set(k, 1)
+        ctl.observe_throughput(1, seconds, *ctl.last_round, decode_only=False, propose_s=0.010 if k else 0.0)
+    per_token = 0.006 / 3 + 6 / (tokens + 4) * (0.050 - 0.030)
+    assert ctl.measured_rate(1, 2) == pytest.approx(1 / per_token)
 
 
 def test_a_cold_controller_does_not_explore_the_models_k_after_k1_measured_below_off():

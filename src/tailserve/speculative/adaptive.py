@@ -196,23 +196,39 @@ class _RateWindow:
 
 @dataclass
 class _Admissions:
-    """A batch bucket's admissions: per token emitted, and what the proposal of a step that
-    admits a request takes with k > 0 (the draft's prefill of the prompt), as the median of
-    the last few: the draft's first prefill ever (kernels built, buffers sized) took several
-    times the later ones and, averaged in, kept a cold batch-1 run off for 230 steps."""
+    """A batch bucket's admissions: how many per token emitted, and what a step that admits a
+    request costs with k > 0 beyond one with k = 0 (the draft's prefill of the prompt, the
+    verify rows beside the prompt's chunk), as the difference of the medians of the last few
+    such steps' seconds; until both sides have some, the proposal's own seconds in the k > 0
+    ones (the draft's prefill). Medians, since the draft's first prefill ever (kernels
+    built, buffers sized) took several times the later ones and, averaged in, kept a cold
+    batch-1 run off for 230 steps."""
 
     tokens: float = 0.0
     admissions: float = 0.0
     propose_s: deque = field(default_factory=lambda: deque(maxlen=15))
+    on_s: deque = field(default_factory=lambda: deque(maxlen=15))
+    off_s: deque = field(default_factory=lambda: deque(maxlen=15))
 
-    def observe(self, num_tokens: int, admits: bool, propose_s: float | None) -> None:
+    def observe(self, num_tokens: int, admits: bool, k: int, seconds: float, propose_s: float) -> None:
         if self.tokens > 1e5:  # the workload's recent mix: older halves fade
             self.tokens, self.admissions = self.tokens / 2, self.admissions / 2
         self.tokens += num_tokens
         if admits:
             self.admissions += 1
-            if propose_s is not None:
+            if k > 0:
                 self.propose_s.append(propose_s)
+                self.on_s.append(seconds)
+            else:
+                self.off_s.append(seconds)
+
+    def extra_s(self) -> float | None:
+        """Seconds a k > 0 adds to an admission step (None: no such step seen)."""
+        if not self.propose_s:
+            return None
+        if len(self.on_s) >= 3 and len(self.off_s) >= 3:
+            return max(statistics.median(self.on_s) - statistics.median(self.off_s), 0.0)
+        return statistics.median(self.propose_s)
 
 
 @dataclass(frozen=True)
@@ -402,7 +418,7 @@ class AdaptiveSpeculation:
         adm = self._admissions.get(bkt)
         if adm is None:
             adm = self._admissions[bkt] = _Admissions()
-        adm.observe(num_tokens, not decode_only, propose_s if k > 0 else None)
+        adm.observe(num_tokens, not decode_only, k, seconds, propose_s)
         if not decode_only:
             return
         if not steady:
@@ -426,16 +442,18 @@ class AdaptiveSpeculation:
 
     def _with_admissions(self, decode_rate: float, bkt: int, k: int) -> float:
         """Tokens/s over decode steps at ``decode_rate``, with what admitting requests adds to
-        k's steps: the draft's prefill of each new prompt (the proposal of a step that admits
-        one, measured), at the bucket's admissions per token. Admission steps stay out of
-        the windows: at batch 1 a 28 ms admission step beside 6 ms decode steps moved a
+        k's steps (``_Admissions.extra_s``) at the bucket's admissions per token. Admission
+        steps stay out of the windows: at batch 1 a 28 ms admission step beside 6 ms decode steps moved a
         32-step window's rate by 15% depending on whether one fell inside it (AVX2, built-in
         pair), which decided between k's that differed by less. The target's own prefill is
-        paid whatever k is, and is left out of every k's rate alike."""
+        paid whatever k is, and is left out of every k's rate alike. At saturation, where
+        most steps admit, what speculation adds to them still counts: with no admission
+        step counted at all, the controller speculated into a queue (docs/speculative.md)."""
         adm = self._admissions.get(bkt)
-        if k <= 0 or adm is None or not adm.propose_s or adm.tokens <= 0:
+        extra = None if k <= 0 or adm is None or adm.tokens <= 0 else adm.extra_s()
+        if extra is None:
             return decode_rate
-        return 1.0 / (1.0 / decode_rate + adm.admissions / adm.tokens * statistics.median(adm.propose_s))
+        return 1.0 / (1.0 / decode_rate + adm.admissions / adm.tokens * extra)
 
     def expected_accepted(self, k: int) -> float | None:
         """Accepted drafts a round is expected to yield under cap ``k`` (None for k = 0),
