@@ -136,6 +136,11 @@ def act_tail(setup: DemoSetup, srv: LocalServer) -> Act:
     every, delay_s = (4, 0.5) if setup.quick else (5, 0.5)
     reqs = _python(setup, n, 96, out_len, seed=10)
     direct = _measure(setup, srv.url, reqs, "direct", request_rate=4.0)
+    # The hold must outlast the direct run's own tail, or the held responses land inside it: on
+    # a slower day here (direct P99 847 ms) a 500 ms hold did not reach the tail at all.
+    base = _tail_figs(direct)
+    if base is not None:
+        delay_s = max(delay_s, round(2e-3 * base["p99_e2el_ms"], 1))
     with DelayingProxy(srv.url, every=every, delay_s=delay_s) as proxy:
         proxied = _measure(setup, proxy.url, reqs, "through the proxy", request_rate=4.0)
         held = proxy.num_held
