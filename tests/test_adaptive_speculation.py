@@ -418,3 +418,17 @@ def test_a_cold_controller_does_not_explore_the_models_k_after_k1_measured_below
     assert uncalibrated._model_choice(4)[0] > 1
     assert ks[:10] == [0] * 5 + [1] * 5  # off measured first, then the draft's cost at k = 1
     assert ks[10:] == [0] * 190
+
+
+def test_an_exploration_ends_when_the_batch_moves_to_another_bucket():
+    """An exploration of k = 2 begun at batch 1 (the last request of a load) is not carried
+    over to the next load's batch of 4: that bucket decides for itself (here: the model's
+    k, not measured there yet)."""
+    ctl = _optimistic(explore_every=10**9)
+    _steady(ctl, 4, 0, tokens=4, seconds=0.004)
+    ctl._decided[ctl.bucket(4)] = 0
+    ctl._explore(2, ctl.bucket(1), 1)
+    assert ctl.choose_k(1) == 2  # the exploration goes on in its bucket
+    model_k = ctl._model_choice(4)[0]
+    assert model_k not in (0, 2)
+    assert ctl.choose_k(4) == model_k

@@ -287,6 +287,7 @@ class AdaptiveSpeculation:
     _last_b: int = 0
     _explore_left: int = 0
     _explore_k: int = 0
+    _explore_bucket: int = -1
     _explore_turn: int = 0
     # Per batch bucket: exploration interval multiplier (doubles, up to max_backoff, while the
     # explorations keep confirming speculation off there) and steps since its last one.
@@ -496,10 +497,15 @@ class AdaptiveSpeculation:
         cap = self.k_cap(num_decoding)
         if cap == 0:
             return self._set(0, num_decoding)  # no k fits the rows: nothing to explore either
-        if self._explore_left > 0:
-            self._explore_left -= 1
-            return self._set(min(self._explore_k, cap), num_decoding)
         bkt = self.bucket(num_decoding, greedy)
+        if self._explore_left > 0:
+            if bkt == self._explore_bucket:
+                self._explore_left -= 1
+                return self._set(min(self._explore_k, cap), num_decoding)
+            # The batch moved to another bucket mid-exploration: what it would measure belongs
+            # to the old one. Carried over, the k = 8 of a batch-1 exploration at a load's tail
+            # ran as k = 3 over the next load's four fresh requests (0.84x of off there).
+            self._explore_left = 0
         off = self.measured_rate(num_decoding, 0)
         if off is None or not self.target_cost.ready:
             return self._explore(0, bkt, num_decoding)  # measured first: speculation off
@@ -627,7 +633,7 @@ class AdaptiveSpeculation:
     def _explore(self, k: int, bucket: int, num_decoding: int) -> int:
         """Run ``k`` for the next ``explore_len`` steps (this one included)."""
         self._held.pop(bucket, None)  # the choice after it is made afresh
-        self._explore_k = k
+        self._explore_k, self._explore_bucket = k, bucket
         self._explore_left = self.explore_len - 1
         if self._probe is not None:  # its last reports would be this exploration's steps
             self._end_probe()
