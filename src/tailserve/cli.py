@@ -190,6 +190,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.ray_replicas is not None:
         return _serve_on_ray(args, tools)
     http2_port = resolve_http2_port(args.port, args.http2_port)
+    # As vLLM: the served name is --served-model-name (several allowed, the first is the
+    # main one), else --model exactly as given; the checkpoint folder's name works too.
+    names = list(args.served_model_name or ([args.model] if args.model else []))
+    # The settings are checked before the address: a bad flag is the user's error whatever
+    # the port (and a test's free port may be taken by another meanwhile).
+    config = EngineConfig(model=args.model or "builtin", served_model_name=names[0] if names else None,
+                          enable_metrics=not args.disable_metrics, gateway_metrics=args.gateway_metrics,
+                          record_memory_history=args.record_memory_history, warmup=not args.no_warmup,
+                          custom_histogram_buckets=args.custom_histogram_buckets,
+                          **_engine_kwargs(args))  # type: ignore[arg-type]
     check_bindable(args.host, args.port)  # fail before spending seconds loading the model
     tracer = None
     if args.otlp_traces_endpoint is not None:
@@ -198,15 +208,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         tracer = RequestTracer(args.otlp_traces_endpoint)  # a missing extra fails here, before the load
     if http2_port:
         check_bindable(args.host, http2_port)
-    kw = _engine_kwargs(args)
-    # As vLLM: the served name is --served-model-name (several allowed, the first is the
-    # main one), else --model exactly as given; the checkpoint folder's name works too.
-    names = list(args.served_model_name or ([args.model] if args.model else []))
-    engine = LLMEngine(EngineConfig(model=args.model or "builtin", served_model_name=names[0] if names else None,
-                                    enable_metrics=not args.disable_metrics, gateway_metrics=args.gateway_metrics,
-                                    record_memory_history=args.record_memory_history, warmup=not args.no_warmup,
-                                    custom_histogram_buckets=args.custom_histogram_buckets,
-                                    **kw))  # type: ignore[arg-type]
+    engine = LLMEngine(config)
     aliases = [*names[1:], engine.model_dir.name]
     run_server(engine, host=args.host, port=args.port, http2_port=http2_port, api_key=args.api_key,
                max_body_bytes=parse_bytes(args.max_request_body), max_waiting_requests=args.max_waiting_requests,

@@ -275,7 +275,7 @@ def act_prefix(setup: DemoSetup, off_srv: LocalServer) -> Act:
     t0 = time.perf_counter()
     # Prefill of a 1,000-token prompt takes most of a second on one core here: the requests go
     # one after another (as a user's session would), so TTFT is the prefill, not a queue.
-    n, prefix_tokens = (6, 1024) if setup.quick else (10, 1024)
+    n, prefix_tokens = (6, 512) if setup.quick else (10, 1024)  # --quick: the tests' time
     reqs = shared_prefix_requests(setup.tokenizer, n, num_prefixes=2, prefix_tokens=prefix_tokens, output_len=16,
                                   seed=30)
     kw = {"max_concurrency": 1, "num_warmups": 0}
