@@ -1,6 +1,6 @@
-"""A bounded soak test of the real server: 20 seconds (TAILSERVE_SOAK_S for longer) of mixed
+"""A bounded soak test of the real server: 12 seconds (TAILSERVE_SOAK_S for longer) of mixed
 streaming and non-streaming load with client disconnects, stop strings, seeds and bursts
-above the waiting bound (some 350 accepted requests here).
+above the waiting bound (some 200 accepted requests here).
 
 Afterwards: every request the server accepted finished (completed, or aborted because its
 client left): the server's finished count equals its accepted count exactly, and that lies
@@ -22,7 +22,7 @@ import pytest
 
 from tailserve.bench.local_server import LocalServer
 
-DURATION_S = float(os.environ.get("TAILSERVE_SOAK_S", "20"))
+DURATION_S = float(os.environ.get("TAILSERVE_SOAK_S", "12"))
 RSS_GROWTH_BOUND = 150 << 20
 
 
@@ -139,7 +139,9 @@ def test_soak_mixed_load_with_disconnects_leaves_nothing_behind(llama_checkpoint
         assert srv.proc.poll() is None and httpx.get(srv.url + "/health").status_code == 200
 
     run = {k: stats[k] - base.get(k, 0) for k in stats}
-    assert run["accepted"] > 200 and run["http_429"] > 0 and run["left"] + run["unanswered"] > 20, run
+    # About 14 accepted and 3 disconnected a second here: the load must really have been one.
+    assert run["accepted"] > 10 * DURATION_S and run["http_429"] > 0 \
+        and run["left"] + run["unanswered"] > DURATION_S, run
     assert run["truncated"] == 0, run  # no accepted stream ended without [DONE] unless we left
     finished = _metric(text, "tailserve:request_success_total") - finished_before
     server_accepted = _metric(text, "tailserve:request_accepted_total") - accepted_before
