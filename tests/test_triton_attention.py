@@ -95,9 +95,8 @@ def test_the_engine_on_the_triton_backend_generates_what_the_reference_does(tiny
     path, _ = tiny_checkpoint(kind)
     prompts = [[5, 17, 33, 2, 90, 41] * 3, [7, 8, 100, 3]]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    # No warm-up: under the interpreter every warm-up shape costs seconds.
-    want = [o.token_ids for o in LLM(str(path), dtype="float32", block_size=8, warmup=False).generate(prompts, params)]
-    llm = LLM(str(path), dtype="float32", block_size=8, attention_backend="triton", warmup=False)
+    want = [o.token_ids for o in LLM(str(path), dtype="float32", block_size=8).generate(prompts, params)]
+    llm = LLM(str(path), dtype="float32", block_size=8, attention_backend="triton")
     assert llm.engine.core.worker.attn_backend.name == "triton-paged"
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
 
