@@ -179,11 +179,12 @@ class EngineCore:
         cost, self._last_cost = self._last_cost, None
         outputs = self.scheduler.update(sched, result, cost)
         self.num_steps += 1
-        self._pending_timing = _StepTiming(t0, sched.num_scheduled_tokens, result.target_forward_s,
-                                           result.propose_s, not any(s.is_prefill for s in sched.scheduled),
-                                           sum(len(o.new_token_ids) for o in outputs), sched.spec_round,
-                                           sum(1 for o in outputs if o.num_draft_tokens),
-                                           sum(o.num_accepted_tokens for o in outputs))
+        if self.scheduler.speculation is not None:  # what only the speculation policy reads
+            self._pending_timing = _StepTiming(t0, sched.num_scheduled_tokens, result.target_forward_s,
+                                               result.propose_s, not any(s.is_prefill for s in sched.scheduled),
+                                               sum(len(o.new_token_ids) for o in outputs), sched.spec_round,
+                                               sum(1 for o in outputs if o.num_draft_tokens),
+                                               sum(o.num_accepted_tokens for o in outputs))
         self._record_step(sched, time.perf_counter_ns() - t0, self.scheduler.num_preemptions - preempted_before)
         return outputs
 
@@ -231,11 +232,12 @@ class EngineCore:
         per step with or without drafts). The cost model is fitted on decode/verify steps
         only: a prefill chunk's tokens cost more each (their attention spans the chunk), and
         fitted together with decodes they would make every verified token look several times
-        dearer. The measured throughput counts every step: a served load admits requests all
-        the time, and a step that admits one costs 2-4x a decode step, more with drafts (the
-        draft's prefill of the prompt, the verify rows beside the chunk); leaving those steps
-        out made speculation look faster than it was at saturation (built-in pair, AVX-512,
-        Poisson arrivals: docs/benchmarks.md)."""
+        dearer. The measured throughput counts every step, those that admit a request apart
+        from the decode steps: a served load admits requests all the time, and a step that
+        admits one costs 2-4x a decode step, more with drafts (the draft's prefill of the
+        prompt, the verify rows beside the chunk); leaving them out made speculation look
+        faster than it was at saturation (built-in pair, AVX-512, Poisson arrivals:
+        docs/benchmarks.md)."""
         timing, self._pending_timing = self._pending_timing, None
         if timing is None or self.scheduler.speculation is None:
             return

@@ -192,7 +192,8 @@ class StepCost:
     propose_s: float
     spec_round: tuple[int, int, bool, bool] | None = None  # the step's SchedulerOutput.spec_round
     # No prompt tokens in it: only such steps feed the cost model's fit (a prefill chunk's
-    # tokens cost more each); every step counts in the measured throughput.
+    # tokens cost more each) and the measured rates' windows; the others are measured apart
+    # (speculative/adaptive.py, _with_admissions).
     decode_only: bool = True
     num_rounds: int = 0  # requests that verified drafts in the step
     num_accepted: int = 0  # drafts they accepted (part of num_emitted)

@@ -36,8 +36,8 @@ descheduled process: on a shared 2-core machine a plain running average of per-s
 let one slow step decide). Two sources of noise are taken out: each verified round counts
 its accepted drafts at the acceptance figures' expectation (a few steps measure what a k
 costs; what it yields comes from every round), and steps that admit a request stay out of
-the windows, the draft's prefill in them charged to every k > 0 at the bucket's admissions
-per token. The cost model's choice is calibrated by the measured rates, and a bucket's
+the windows, what a k > 0 adds to them charged to its rate at the bucket's admissions per
+token. The cost model's choice is calibrated by the measured rates, and a bucket's
 decision holds for ``decide_every`` steps (deciding costs ~120 us of Python).
 
 Measured beats modelled: in a bucket where off or the candidate k has no measurement yet,
@@ -410,7 +410,7 @@ class AdaptiveSpeculation:
         accepted drafts of the ``num_rounds`` requests that verified drafts in it; its
         proposal took ``propose_s``. A decode-only step counts for its k only when the
         previous step chose the same k (steady state); a step with prompt tokens (one that
-        admits a request) counts apart, see ``_admission_s``."""
+        admits a request) counts apart, see ``_with_admissions``."""
         if self.fixed_k is not None or seconds <= 0 or num_decoding <= 0:
             return
         if self._probe is not None:
@@ -420,9 +420,7 @@ class AdaptiveSpeculation:
         if adm is None:
             adm = self._admissions[bkt] = _Admissions()
         adm.observe(num_tokens, not decode_only, k, seconds, propose_s)
-        if not decode_only:
-            return
-        if not steady:
+        if not decode_only or not steady:
             return
         key = (bkt, k)
         window = self.rates.get(key)
@@ -465,14 +463,15 @@ class AdaptiveSpeculation:
             self._expected = [f[0] - 1.0 for f in self._all_round_figures(self.k_max)]
         return self._expected[min(k, self.k_max) - 1]
 
-    def _best_measured(self, num_decoding: int, cap: int) -> tuple[int, float | None]:
-        """The measured k in 1..cap with the highest rate in this bucket (0, None: none)."""
-        best_k, best = 0, None
-        for k in range(1, cap + 1):
-            rate = self.measured_rate(num_decoding, k)
-            if rate is not None and (best is None or rate > best):
-                best_k, best = k, rate
-        return best_k, best
+    def _measured_rates(self, num_decoding: int, cap: int) -> dict[int, float]:
+        """k -> measured_rate for the k in 0..cap measured in this bucket (one decision reads
+        them several times)."""
+        return {k: r for k in range(cap + 1) if (r := self.measured_rate(num_decoding, k)) is not None}
+
+    @staticmethod
+    def _best_measured(measured: dict[int, float]) -> tuple[int, float | None]:
+        """The measured k > 0 with the highest rate (0, None: none)."""
+        return max(((k, r) for k, r in measured.items() if k > 0), key=lambda kr: kr[1], default=(0, None))
 
     def _set(self, k: int, num_decoding: int) -> int:
         self._prev_k, self.last_k, self._last_b = self.last_k, k, num_decoding
@@ -521,7 +520,8 @@ class AdaptiveSpeculation:
             # of a 2.4 ms batch-1 step, paid with speculation off too.
             held[1] -= 1
             return self._set(held[0], num_decoding)
-        model_k, best_pos = self._model_choice(num_decoding, cap)
+        measured = self._measured_rates(num_decoding, cap)
+        model_k, best_pos = self._model_choice(num_decoding, cap, measured)
         if due:
             # Keep the cost fits and the measured rates fresh. While on: off, then another k (at
             # most one above the model's best k > 0: a long draft at a large batch costs). While
@@ -534,7 +534,7 @@ class AdaptiveSpeculation:
             self._since_explore[bkt] = 0
             self._judge_bucket = bkt
             if self._decided.get(bkt, 0) == 0:
-                return self._explore(self._best_measured(num_decoding, cap)[0] or 1, bkt, num_decoding)
+                return self._explore(self._best_measured(measured)[0] or 1, bkt, num_decoding)
             turn = self._explore_turn
             self._explore_turn += 1
             cur = self._decided[bkt]
@@ -542,7 +542,7 @@ class AdaptiveSpeculation:
             alt = best_pos if best_pos != cur else self._rng.choice(others) if others else 0
             return self._explore(alt if turn % 2 else 0, bkt, num_decoding)
         k = 0
-        best_k, best = self._best_measured(num_decoding, cap)
+        best_k, best = self._best_measured(measured)
         if model_k > 0 or best is not None:
             # Measured beats modelled: the best measured k, with a margin towards off (see the
             # module docstring); the model's k is measured before off is concluded (the model
@@ -551,8 +551,7 @@ class AdaptiveSpeculation:
             was_on = self._decided.get(bkt, 0) > 0
             margin = self.switch_margin if was_on else self.switch_on_margin
             cand, on = best_k, best
-            if model_k > 0 and (on is None or on < off * (1.0 + margin)) \
-                    and self.measured_rate(num_decoding, model_k) is None:
+            if model_k > 0 and (on is None or on < off * (1.0 + margin)) and model_k not in measured:
                 cand, on = model_k, None
             if on is None:
                 self._judge_bucket = bkt  # its verdict sets the bucket's backoff too
@@ -673,8 +672,10 @@ class AdaptiveSpeculation:
         cost_s = max(probe["seconds"] - probe["tokens"] / probe["rate"], 0.0) * (seen + probe["left"]) / seen
         self._min_interval[probe["bucket"]] = int(cost_s / (self.explore_budget * probe["step_s"]))
 
-    def _model_choice(self, num_decoding: int, cap: int | None = None) -> tuple[int, int]:
-        """(the cost model's best k, its best k > 0), k <= cap (default: ``k_cap``).
+    def _model_choice(self, num_decoding: int, cap: int | None = None,
+                      measured: dict[int, float] | None = None) -> tuple[int, int]:
+        """(the cost model's best k, its best k > 0), k <= cap (default: ``k_cap``);
+        ``measured``: the bucket's ``_measured_rates`` when the caller has them.
 
         Calibrated by what was measured in the bucket: off's rate scaled to off's measured one,
         every k > 0 by the measured/modelled ratio of the k > 0 with the most steps behind it
@@ -696,14 +697,13 @@ class AdaptiveSpeculation:
             forwards = drafts + (k - drafts) * (1.0 - 1.0 / b)
             seconds = t_alpha + t_beta * b * (1.0 + drafts) + other + forwards * draft_step
             rates.append(b * tokens / seconds)
-        off = self.measured_rate(b, 0)
-        scale_off = off / rates[0] if off is not None else 1.0
+        measured = self._measured_rates(b, cap) if measured is None else measured
+        scale_off = measured[0] / rates[0] if 0 in measured else 1.0
         scale_on, most = scale_off, 0  # no k measured yet: the model's own comparison
         bkt = self.bucket(b, self._greedy)
-        for k in range(1, cap + 1):
-            window = self.rates.get((bkt, k))
-            if window is not None and len(window.steps) > most and (rate := self.measured_rate(b, k)) is not None:
-                scale_on, most = rate / rates[k], len(window.steps)
+        for k, rate in measured.items():
+            if k > 0 and len(self.rates[(bkt, k)].steps) > most:
+                scale_on, most = rate / rates[k], len(self.rates[(bkt, k)].steps)
         best_k, best_rate = 0, rates[0] * scale_off
         best_pos, best_pos_rate = 1, 0.0
         for k in range(1, cap + 1):
