@@ -27,8 +27,17 @@ if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
 # governor itself is tested directly, tests/test_cpu_threads.py).
 os.environ.setdefault("TAILSERVE_CPU_THREADS_ADAPT", "0")
 
+import gc  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import transformers  # noqa: E402 - imported once here, so that its objects are frozen below
+
+# The imports' ~200k objects live as long as the worker: frozen, the collector's full passes
+# (thousands of engine requests allocate enough to trigger them) no longer walk them, as
+# `tailserve serve` does after start-up.
+gc.collect()
+gc.freeze()
 
 TINY_VOCAB = 384
 _CORPUS = [
@@ -70,8 +79,6 @@ ARCHS = {
 
 
 def build_hf_model(kind: str, seed: int = 0, **overrides):
-    import transformers
-
     spec = dict(ARCHS[kind])
     arch = spec.pop("arch")
     rope_scaling = spec.pop("rope_scaling", None)

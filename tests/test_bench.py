@@ -24,7 +24,7 @@ from tailserve.assets import DEFAULT_TARGET_DIR
 from tailserve.bench.arrivals import arrival_offsets
 from tailserve.bench.datasets import BenchRequest, DatasetConfig, load_dataset
 from tailserve.bench.load import LoadConfig, run_load
-from tailserve.bench.local_server import LocalServer, free_port
+from tailserve.bench.local_server import free_port
 from tailserve.bench.report import compare, html_report, plots, render_table
 from tailserve.bench.results import build_result
 from tailserve.cli import main
@@ -482,11 +482,11 @@ VLLM_KEYS = {
 }
 
 
-@pytest.fixture(scope="module")
-def tailserve_server(llama_checkpoint):
-    path, _ = llama_checkpoint
-    with LocalServer(["--model", str(path), "--dtype", "float32", "--no-warmup", "--kv-cache-memory", "8MiB"]) as srv:
-        yield srv, path
+@pytest.fixture
+def tailserve_server(tiny_server, llama_checkpoint):
+    """The session's server (it also sends vLLM's ``metrics``: the join must still prefer
+    tailserve's own ``timing``)."""
+    return tiny_server, llama_checkpoint[0]
 
 
 def test_result_json_of_a_tailserve_run_has_vllm_keys_and_units(tailserve_server, tmp_path, capsys):

@@ -88,7 +88,8 @@ def test_wheel_carries_the_assets_into_a_fresh_venv(tmp_path):
           "-w", str(wheel_dir), str(REPO)], timeout=600)
     wheel = next(wheel_dir.glob("tailserve-*.whl"))
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    # No pip inside (ensurepip takes 7 s here): this environment's pip installs into it (--python).
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300)
     py = venv / "bin" / "python"
     # The running interpreter's packages (torch & co., from a venv or not) reach the new venv
     # through a .pth of plain paths, without a download. Plain paths: the outer environment's
@@ -98,7 +99,8 @@ def test_wheel_carries_the_assets_into_a_fresh_venv(tmp_path):
     inner = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                            capture_output=True, text=True, check=True).stdout.strip()
     pathlib.Path(inner, "_outer_site.pth").write_text("\n".join(outer) + "\n")
-    _run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(wheel)], timeout=600)
+    _run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", "--force-reinstall",
+          str(wheel)], timeout=600)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     where = _run([str(py), "-c", "import tailserve, sys; print(tailserve.__file__)"], cwd=tmp_path, env=env)
     assert str(venv) in where.stdout

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import re
 import socket
 import time
 
@@ -496,7 +497,10 @@ def test_served_model_name_defaults_to_model_as_given_and_sigterm_stops_cleanly(
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         s.proc.terminate()
         assert s.proc.wait(timeout=30) == 0
-        assert "Traceback" not in s.output()
+        log = s.output()
+        assert "Traceback" not in log
+        frozen = re.search(r"garbage collector: (\d+) start-up objects frozen", log)
+        assert frozen and int(frozen.group(1)) > 10_000  # torch and the model, out of every full collection
 
 
 def test_several_served_model_names(server, llama_checkpoint):

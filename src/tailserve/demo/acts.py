@@ -132,7 +132,7 @@ def _tail_figs(res: dict[str, Any]) -> dict[str, Any] | None:
 
 def act_tail(setup: DemoSetup, srv: LocalServer) -> Act:
     t0 = time.perf_counter()
-    n, out_len = (12, 24) if setup.quick else (24, 48)
+    n, out_len = (8, 24) if setup.quick else (24, 48)
     every, delay_s = (4, 0.5) if setup.quick else (5, 0.5)
     reqs = _python(setup, n, 96, out_len, seed=10)
     direct = _measure(setup, srv.url, reqs, "direct", request_rate=4.0)
