@@ -242,7 +242,7 @@ class RawH2c:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="builtin")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="as tailserve serve takes it (its default: auto)")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--block", type=int, default=6, help="requests per path per round")
     ap.add_argument("--max-tokens", type=int, default=32)

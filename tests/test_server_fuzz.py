@@ -113,7 +113,7 @@ def _check(server: LocalServer, path: str, body: object) -> None:
 
 # 50 examples a test by default (real HTTP round trips: ~0.1 s each); the long run's count
 # comes from TAILSERVE_FUZZ_EXAMPLES (e.g. 2000 for a soak of the parser).
-LONG_EXAMPLES = int(os.environ.get("TAILSERVE_FUZZ_EXAMPLES", "200"))
+LONG_EXAMPLES = int(os.environ.get("TAILSERVE_FUZZ_EXAMPLES", "120"))
 FUZZ = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                         HealthCheck.function_scoped_fixture])
 
