@@ -505,27 +505,25 @@ class AdaptiveSpeculation:
             # to the old one. Carried over, the k = 8 of a batch-1 exploration at a load's tail
             # ran as k = 3 over the next load's four fresh requests (0.84x of off there).
             self._explore_left = 0
+        since = self._since_explore.get(bkt, 0) + 1
+        due = since >= max(self.explore_every * self._backoff.get(bkt, 1), self._min_interval.get(bkt, 0))
         held = self._held.get(bkt)
-        if held is not None and held[1] > 0 and self.objective == "throughput":
+        if held is not None and held[1] > 0 and not due and self.objective == "throughput":
             # The bucket's last decision holds for decide_every steps: its windows move by a
             # step or two meanwhile, and deciding afresh each step cost ~120 us of Python, 5%
             # of a 2.4 ms batch-1 step, paid with speculation off too. Checked before anything
-            # reads a window: off's rate alone, re-summed each step, cost ~35 us, 2.5% of a
-            # 1.4 ms batch-4 step (AVX-512). A held decision was made after off and both cost
-            # models were measured, so the checks below would pass.
-            since = self._since_explore.get(bkt, 0) + 1
-            if since < self._explore_interval(bkt):
-                self._since_explore[bkt] = since
-                held[1] -= 1
-                return self._set(held[0], num_decoding)
+            # reads a window: off's rate alone, re-summed each step, took ~33 us under cProfile
+            # (~2% of a 1.4 ms batch-4 step, AVX-512). A held decision was made after off and
+            # both cost models were measured, so the checks below would pass.
+            self._since_explore[bkt] = since
+            held[1] -= 1
+            return self._set(held[0], num_decoding)
         off = self.measured_rate(num_decoding, 0)
         if off is None or not self.target_cost.ready:
             return self._explore(0, bkt, num_decoding)  # measured first: speculation off
         if not self.draft_cost.ready:
             return self._explore(1, bkt, num_decoding)  # the draft's cost, at the cheapest k
-        since = self._since_explore.get(bkt, 0) + 1
         self._since_explore[bkt] = since
-        due = since >= self._explore_interval(bkt)
         measured = self._measured_rates(num_decoding, cap)
         model_k, best_pos = self._model_choice(num_decoding, cap, measured)
         if due:
@@ -624,11 +622,6 @@ class AdaptiveSpeculation:
             self.num_goodput_overrides += 1
             return best_k
         return k_thr
-
-    def _explore_interval(self, bkt: int) -> int:
-        """Steps between a bucket's periodic explorations: its backed-off interval, or what its
-        last exploration's cost asks under the budget, whichever is longer."""
-        return max(self.explore_every * self._backoff.get(bkt, 1), self._min_interval.get(bkt, 0))
 
     def _stale_off(self, bkt: int, k: int) -> bool:
         """Whether off's window in ``bkt`` has no step newer than ``k``'s newest."""
