@@ -9,7 +9,7 @@ Traces (fixed seeds): ``order`` (eight 16 MiB tensors freed, then four 32 MiB: 2
 predicted), ``kv_like`` (a decode loop's pattern: a growing set of per-request buffers of
 mixed sizes, freed out of order), ``mixed`` (random sizes from 512 B to 64 MiB, random frees).
 
-    python benchmarks/allocator_check.py [--simulate-only] [--json OUT]
+    python benchmarks/allocator_check.py [--simulate-only] [--per-event] [--json OUT]
 """
 
 from __future__ import annotations
@@ -61,47 +61,66 @@ def trace_mixed(seed: int = 1) -> list[TraceEvent]:
 TRACES = {"order": trace_order, "kv_like": trace_kv_like, "mixed": trace_mixed}
 
 
-def replay_on_gpu(name: str) -> int:
-    """In this process (PYTORCH_CUDA_ALLOC_CONF already in the environment): peak reserved."""
+def replay_on_gpu(name: str, per_event: bool = False) -> dict:
+    """In this process (PYTORCH_CUDA_ALLOC_CONF already in the environment): peak reserved and,
+    with per_event, the reserved and allocated bytes after each event (to find where a
+    prediction first departs from the real allocator)."""
     import torch
 
     torch.cuda.init()
     live = {}
+    reserved, allocated = [], []
     for e in TRACES[name]():
         if e.action == "alloc":
             live[e.addr] = torch.empty(e.size, dtype=torch.uint8, device="cuda")
         else:
             live.pop(e.addr, None)
+        if per_event:
+            reserved.append(torch.cuda.memory_reserved())
+            allocated.append(torch.cuda.memory_allocated())
     torch.cuda.synchronize()
-    return int(torch.cuda.max_memory_reserved())
+    out = {"peak_reserved": int(torch.cuda.max_memory_reserved())}
+    if per_event:
+        out.update(reserved_after_each_event=reserved, allocated_after_each_event=allocated)
+    return out
+
+
+def _replay(name: str, conf: str, per_event: bool = False) -> dict:
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=conf)
+    cmd = [sys.executable, __file__, "--replay", name] + (["--per-event"] if per_event else [])
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        raise SystemExit(f"replay of {name} with {conf!r} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--simulate-only", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--per-event", action="store_true",
+                    help="for each pair that misses by more than 0.5%%, also record the real reserved and allocated "
+                         "bytes after every event (in --json)")
     ap.add_argument("--replay", help=argparse.SUPPRESS)  # internal: replay one trace in this process
     args = ap.parse_args()
     if args.replay:
-        print(replay_on_gpu(args.replay))
+        print(json.dumps(replay_on_gpu(args.replay, args.per_event)))
         return
     rows = []
     for name, make in TRACES.items():
         events = make()
         for conf in CONFS:
             predicted = simulate_trace(events, conf, capacity_bytes=1 << 40).peak_reserved_bytes
-            real = None
+            real, detail = None, {}
             if not args.simulate_only:
-                env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=conf)
-                out = subprocess.run([sys.executable, __file__, "--replay", name], env=env, capture_output=True,
-                                     text=True, timeout=300)
-                if out.returncode != 0:
-                    raise SystemExit(f"replay of {name} with {conf!r} failed:\n{out.stderr[-2000:]}")
-                real = int(out.stdout.strip().splitlines()[-1])
+                real = _replay(name, conf)["peak_reserved"]
             err = None if real is None else (predicted - real) / real
+            if args.per_event and err is not None and abs(err) > 0.005:
+                detail = _replay(name, conf, per_event=True)
+                detail.pop("peak_reserved")
             rows.append({"trace": name, "conf": conf or "default", "events": len(events),
                          "predicted_peak_reserved_bytes": predicted, "real_peak_reserved_bytes": real,
-                         "relative_error": err})
+                         "relative_error": err, **detail})
             real_s = "-" if real is None else f"{real / MiB:10.1f}"
             err_s = "-" if err is None else f"{err:+.1%}"
             print(f"{name:8s} {conf or 'default':48s} predicted {predicted / MiB:10.1f} MiB  "

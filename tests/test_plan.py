@@ -80,7 +80,7 @@ TABLE = [
     ("CUDA int8", config(device="cuda", quantization="int8"), arch(), CUDA, H200,
      (torch.bfloat16, "int8-weight-only", "torch", "torch-reference", False, False, True)),
     ("triton on the CPU (interpreter)", config(attention_backend="triton"), arch(), CPU,
-     dataclasses.replace(AVX2_KERNELS, triton=True),
+     dataclasses.replace(AVX2_KERNELS, triton=True, triton_interpreter=True),
      (torch.float32, "cpu-compact-weights", "cpu-kernels", "triton-paged", False, True, False)),
 ]
 
@@ -117,6 +117,13 @@ def test_triton_without_triton_is_a_config_error():
     with pytest.raises(ConfigError, match="needs Triton"):
         plan_target(config(device="cuda", attention_backend="triton"), arch(), CUDA,
                     dataclasses.replace(H200, triton=False))
+
+
+def test_triton_on_the_cpu_outside_the_interpreter_is_a_config_error():
+    # Without TRITON_INTERPRET=1 the kernel would fail at the first step's launch (CPU tensors),
+    # as it did on a machine with a GPU when --device was left at cpu.
+    with pytest.raises(ConfigError, match="runs on a CUDA device"):
+        plan_target(config(attention_backend="triton"), arch(), CPU, dataclasses.replace(AVX2_KERNELS, triton=True))
 
 
 def test_tensor_parallel_ranks_fuse_nothing():

@@ -11,12 +11,18 @@ h // (H / KVH). A sliding window bounds each query's keys from below.
 The step's new K/V are written into the cache first (``index_copy_`` by slot, as the
 reference backend does), so the kernel reads every key from the cache alike.
 
-The score and value products are broadcast-and-sum rather than ``tl.dot``, so any block
-size and head size works (``tl.dot`` needs tiles of at least 16); the tensor-core form is
-the step after a first GPU run. Correctness is tested on the CPU with Triton's interpreter
-(``TRITON_INTERPRET=1``) against the PyTorch reference backend
-(tests/test_triton_attention.py). It has not run on a GPU yet, so
-The execution plan (engine/plan.py) still picks the reference for ``auto``; ``"triton"`` selects this.
+Products: where every tile is at least 16 wide (queries per tile, block size, head size),
+both products are ``tl.dot`` on the tensor cores, with float32 inputs at IEEE precision
+(``input_precision="ieee"``: exact float32, as the reference) and 16-bit inputs as they are
+(the probabilities rounded to the value dtype, as FlashAttention does), accumulating in
+float32. Smaller tiles (block sizes 4 or 8) use broadcast-and-sum. That form is written
+value-first on purpose: Triton's combine pass rewrites ``sum(p[:, :, None] * v[None, :, :],
+1)`` into a dot product, which on an H200 (Triton 3.6) ran at TF32 precision and put the
+float32 output ~1e-3 off the exact result (2026-12-04); the kernel's own error is ~4e-7.
+
+Tested on the CPU with Triton's interpreter (``TRITON_INTERPRET=1``) against the PyTorch
+reference backend (tests/test_triton_attention.py), and on an H200 (docs/benchmarks.md). The
+execution plan (engine/plan.py) still picks the reference for ``auto``; ``"triton"`` selects this.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ def _paged_attention_kernel(
     stride_ot, stride_oh,  # out (T, H, D)
     stride_bt,  # block tables (B, max_blocks)
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -56,7 +62,7 @@ def _paged_attention_kernel(
     q_pos = ctx - q_len + rows  # each query's position in the sequence
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0).to(tl.float32)  # (BLOCK_M, D)
+                mask=row_ok[:, None], other=0.0)  # (BLOCK_M, D), the cache's dtype
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
@@ -71,9 +77,12 @@ def _paged_attention_kernel(
         blk = tl.load(block_tables_ptr + b * stride_bt + j).to(tl.int64)
         kv_pos = j * BLOCK_SIZE + offs
         base = blk * stride_cb + offs[:, None] * stride_cs + kvh * stride_ch + d[None, :]
-        k = tl.load(k_cache_ptr + base).to(tl.float32)  # (BLOCK_SIZE, D)
-        v = tl.load(v_cache_ptr + base).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # (BLOCK_M, BLOCK_SIZE)
+        k = tl.load(k_cache_ptr + base)  # (BLOCK_SIZE, D)
+        v = tl.load(v_cache_ptr + base)
+        if USE_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (BLOCK_M, BLOCK_SIZE)
+        else:
+            s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
         ok = (kv_pos[None, :] <= q_pos[:, None]) & (kv_pos[None, :] < ctx)
         if HAS_WINDOW:
             ok = ok & (kv_pos[None, :] > q_pos[:, None] - window)
@@ -84,7 +93,10 @@ def _paged_attention_kernel(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        if USE_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        else:  # value first: see the module docstring
+            acc = acc * alpha[:, None] + tl.sum(v.to(tl.float32)[None, :, :] * p[:, :, None], axis=1)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
@@ -113,7 +125,8 @@ def triton_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), batch.block_tables.stride(0),
         QUERIES_PER_KV=h // kvh, HEAD_DIM=d, BLOCK_SIZE=block_size, BLOCK_M=block_m,
-        HAS_WINDOW=sliding_window is not None,
+        HAS_WINDOW=sliding_window is not None, USE_DOT=min(block_m, block_size, d) >= 16,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32: ignored for 16-bit inputs
     )
     return out.view(t, h * d)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import pathlib
 from dataclasses import dataclass, field
 
@@ -52,6 +53,9 @@ class Capabilities:
     cuda: bool = False
     cuda_capability: tuple[int, int] | None = None
     triton: bool = False
+    # TRITON_INTERPRET=1: Triton runs its kernels on the CPU (tests); without it a Triton kernel
+    # handed CPU tensors fails at its first launch.
+    triton_interpreter: bool = False
 
     @property
     def cpu_capability(self) -> str:
@@ -85,7 +89,7 @@ def detect_capabilities(device: torch.device, want_cpu_kernels: bool = True) -> 
     return Capabilities(cpu_flags=cpu_flags(), cpu_kernels=kernels_ok, cpu_kernels_reason=reason,
                         onednn=device.type == "cpu" and onednn_available(), cuda=cuda,
                         cuda_capability=torch.cuda.get_device_capability(device) if cuda else None,
-                        triton=has_triton)
+                        triton=has_triton, triton_interpreter=os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @dataclass(frozen=True)
@@ -263,7 +267,7 @@ def _model_plan(device: torch.device, dtype: torch.dtype, dtype_reason: str, arc
                                                  "for steps of up to 16 tokens a sequence"
         else:
             backend = "torch-reference"
-            backend_why = "auto: the reference (the Triton kernel has passed only its interpreter tests)" \
+            backend_why = "auto: the reference (the Triton kernel has no tensor-core products yet: slower on a GPU)" \
                 if not cpu else "auto on the CPU without the decode kernel (" + (
                     ops_why if ops != "cpu-kernels" else f"head size {arch.head_dim} or dtype unsupported") + ")"
     elif attention == "torch":
@@ -271,6 +275,9 @@ def _model_plan(device: torch.device, dtype: torch.dtype, dtype_reason: str, arc
     elif attention == "triton":
         if not caps.triton:
             raise ConfigError("attention_backend: attention backend 'triton' needs Triton: pip install triton")
+        if cpu and not caps.triton_interpreter:
+            raise ConfigError("attention_backend: attention backend 'triton' runs on a CUDA device (--device cuda); "
+                              "on the CPU only in Triton's interpreter (TRITON_INTERPRET=1, for tests)")
         backend, backend_why = "triton-paged", "--attention-backend triton"
     else:
         raise ConfigError(f"attention_backend: unknown attention backend {attention!r}")
