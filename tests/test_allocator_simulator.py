@@ -420,3 +420,40 @@ def test_fragmentation_is_reported_at_the_peak_and_above_the_alert_floor(tmp_pat
     assert main(["memory", "simulate", str(path), "--alert-min-reserved", "8MiB"]) == 0
     row = capsys.readouterr().out.splitlines()[-1]
     assert row.startswith("default") and "fires" in row
+
+
+def test_equal_size_free_blocks_go_lowest_address_first_and_new_segments_lie_below():
+    # Two 20 MiB requests, each its own segment; freed, either fits the next one: the second
+    # segment lies below the first (as cudaMalloc placed them on an H200), so its block is taken.
+    sim = CachingAllocatorSimulator("", capacity_bytes=1 << 34)
+    first, second = sim.malloc(20 << 20), sim.malloc(20 << 20)
+    assert second.addr < first.addr
+    sim.free(first)
+    sim.free(second)
+    assert sim.malloc(20 << 20) is second
+
+
+# Peak reserved bytes of PyTorch's real allocator (torch 2.11, CUDA 13) on an H200, 2026-12-04,
+# replaying benchmarks/allocator_check.py's traces under each setting (MiB).
+H200_PEAK_RESERVED_MIB = {
+    ("order", ""): 256, ("order", "max_split_size_mb:128"): 256, ("order", "roundup_power2_divisions:4"): 256,
+    ("order", "max_split_size_mb:64,roundup_power2_divisions:8"): 256, ("order", "expandable_segments:True"): 140,
+    ("kv_like", ""): 1084, ("kv_like", "max_split_size_mb:128"): 1084, ("kv_like", "roundup_power2_divisions:4"): 1198,
+    ("kv_like", "max_split_size_mb:64,roundup_power2_divisions:8"): 1120,
+    ("kv_like", "expandable_segments:True"): 1060,
+    ("mixed", ""): 416, ("mixed", "max_split_size_mb:128"): 416, ("mixed", "roundup_power2_divisions:4"): 366,
+    ("mixed", "max_split_size_mb:64,roundup_power2_divisions:8"): 458, ("mixed", "expandable_segments:True"): 266,
+}
+
+
+def test_the_model_predicts_the_h200s_peak_on_every_allocator_check_pair():
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+    import allocator_check
+
+    assert {(t, c) for t in allocator_check.TRACES for c in allocator_check.CONFS} == set(H200_PEAK_RESERVED_MIB)
+    for (trace, conf), want in H200_PEAK_RESERVED_MIB.items():
+        got = simulate_trace(allocator_check.TRACES[trace](), conf, capacity_bytes=1 << 40).peak_reserved_bytes
+        assert got == want << 20, (trace, conf, got >> 20, want)
