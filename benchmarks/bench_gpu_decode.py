@@ -4,7 +4,8 @@ batch-1 figure as a fraction of the memory-bandwidth roofline.
 The model: random-initialised weights of Qwen2-0.5B's or Qwen2-1.5B's shape (bf16, made on
 the fly with transformers, saved as a checkpoint in a temp folder). Workload: a 128-token
 prompt per sequence, --new-tokens greedy tokens with the length forced, at each batch size;
-decode tok/s = batch x (n - 1) / (t(n) - t(1)), median of --runs. Each setup (attention
+decode tok/s = batch x (n - 1) / (t(n) - t(1)), median of --runs; and the prefill of one
+--prefill-len-token prompt (one token out), median of --runs. Each setup (attention
 backend x graphs on/off) is its own engine, built and torn down in turn.
 
 Roofline: batch-1 decode reads every weight once per token, so its ceiling is the device's
@@ -12,7 +13,7 @@ copy bandwidth over the weight bytes (bandwidth measured here: a device-to-devic
 GiB, bytes read + written over time). The fraction printed is measured / ceiling.
 
     python benchmarks/bench_gpu_decode.py [--shape 0.5b|1.5b] [--batch-sizes 1 16 64]
-        [--backends torch triton] [--new-tokens 128] [--runs 3] [--json FILE]
+        [--backends torch triton] [--new-tokens 128] [--prefill-len 2048] [--runs 3] [--json FILE]
     python benchmarks/bench_gpu_decode.py --device cpu --layers 1 --vocab 512 --new-tokens 4 ...  # a CPU smoke run
 
 benchmarks/gpu_check.sh runs it; tests/test_gpu_bench.py runs its CPU parts.
@@ -93,7 +94,7 @@ def sync(device: str) -> None:
 
 
 def measure(model_dir: str, device: str, backend: str, eager: bool, batch_sizes: list[int], new: int, runs: int,
-            kv_bytes: int) -> dict:
+            kv_bytes: int, prefill_len: int = 0) -> dict:
     import torch
 
     from tailserve import LLM, SamplingParams
@@ -101,7 +102,8 @@ def measure(model_dir: str, device: str, backend: str, eager: bool, batch_sizes:
     t0 = time.perf_counter()
     llm = LLM(model_dir, dtype="bfloat16" if device.startswith("cuda") else "float32", device=device,
               attention_backend=backend, enforce_eager=eager, kv_cache_memory_bytes=kv_bytes,
-              max_num_seqs=max(batch_sizes), max_model_len=1024, max_num_batched_tokens=8192)
+              max_num_seqs=max(batch_sizes), max_model_len=max(1024, prefill_len + 8),
+              max_num_batched_tokens=max(8192, prefill_len))
     start_s = time.perf_counter() - t0
     info = llm.engine.info
     g = torch.Generator().manual_seed(0)
@@ -122,8 +124,21 @@ def measure(model_dir: str, device: str, backend: str, eager: bool, batch_sizes:
             t1, tn = timed(b, 1), timed(b, new)
             samples.append(b * (new - 1) / (tn - t1))
         rates[str(b)] = statistics.median(samples)
+    prefill_ms = None
+    if prefill_len:  # one prompt of prefill_len tokens, one token out: the prefill's time (TTFT in-process)
+        long_prompt = torch.randint(10, info.arch.vocab_size, (prefill_len,), generator=g).tolist()
+        one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        times = []
+        for _ in range(runs + 1):
+            sync(device)
+            t = time.perf_counter()
+            llm.generate([long_prompt], one)
+            sync(device)
+            times.append(time.perf_counter() - t)
+        prefill_ms = 1e3 * statistics.median(times[1:])  # the first builds this shape's kernels
     res = {"backend": info.plan.model.attention_backend, "graphs": bool(info.decode_graph_sizes),
            "graph_capture_s": info.graph_capture_s, "start_s": start_s, "decode_tok_s": rates,
+           "prefill_len": prefill_len or None, "prefill_ms": prefill_ms,
            "graph_replays": llm.engine.runner.graph_replays, "plan": info.plan.describe()}
     llm.shutdown()
     return res
@@ -138,6 +153,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--graphs", nargs="+", default=["on", "off"], choices=["on", "off"])
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--prefill-len", type=int, default=2048,
+                    help="also time the prefill of one prompt this long (one token out); 0: skip")
     ap.add_argument("--kv-cache-memory", type=int, default=4 << 30, help="bytes (each engine in turn)")
     ap.add_argument("--layers", type=int, help="override the layer count (small smoke runs)")
     ap.add_argument("--vocab", type=int, help="override the vocabulary (small smoke runs)")
@@ -147,6 +164,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--new-tokens must be at least 2 (decode rate = (n - 1) tokens over t(n) - t(1))")
     if any(b < 1 for b in args.batch_sizes):
         ap.error("--batch-sizes must be positive")
+    if args.prefill_len < 0:
+        ap.error("--prefill-len must be >= 0")
     return args
 
 
@@ -174,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
             for graphs in args.graphs:
                 try:
                     res = measure(tmp, args.device, backend, graphs == "off", args.batch_sizes, args.new_tokens,
-                                  args.runs, args.kv_cache_memory)
+                                  args.runs, args.kv_cache_memory, args.prefill_len)
                 except Exception as e:  # one setup failing must not lose the others' figures
                     res = {"backend": backend, "error": f"{type(e).__name__}: {e}"}
                 gc.collect()  # the engine just measured is unreachable now: give its memory back

@@ -27,7 +27,7 @@ def test_the_shapes_are_the_released_models_parameter_counts(shape, approx):
 
 
 def test_bad_arguments_exit_with_a_message(capsys):
-    for argv in (["--new-tokens", "1"], ["--batch-sizes", "0"], ["--shape", "7b"]):
+    for argv in (["--new-tokens", "1"], ["--batch-sizes", "0"], ["--shape", "7b"], ["--prefill-len", "-1"]):
         with pytest.raises(SystemExit) as e:
             bench.parse_args(argv)
         assert e.value.code == 2
@@ -40,7 +40,7 @@ def test_a_smoke_run_on_the_cpu_writes_every_figure(tmp_path):
     out = tmp_path / "gpu_decode.json"
     res = bench.main(["--device", "cpu", "--layers", "1", "--vocab", "512", "--batch-sizes", "1", "3",
                       "--new-tokens", "32", "--runs", "1", "--backends", "torch", "--graphs", "on", "off",
-                      "--kv-cache-memory", str(64 << 20), "--json", str(out)])
+                      "--kv-cache-memory", str(64 << 20), "--prefill-len", "96", "--json", str(out)])
     saved = json.loads(out.read_text())
     assert saved["parameters"] == res["parameters"] == bench.num_parameters(saved["config"])
     assert saved["copy_bandwidth_gb_s"] > 0 and saved["roofline_batch1_tok_s"] > 0
@@ -50,3 +50,4 @@ def test_a_smoke_run_on_the_cpu_writes_every_figure(tmp_path):
         assert set(run["decode_tok_s"]) == {"1", "3"} and all(v > 0 for v in run["decode_tok_s"].values())
         assert run["graphs"] is False  # the CPU never captures
         assert run["batch1_roofline_fraction"] > 0
+        assert run["prefill_len"] == 96 and run["prefill_ms"] > 0

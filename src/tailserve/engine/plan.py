@@ -267,7 +267,8 @@ def _model_plan(device: torch.device, dtype: torch.dtype, dtype_reason: str, arc
                                                  "for steps of up to 16 tokens a sequence"
         else:
             backend = "torch-reference"
-            backend_why = "auto: the reference (the Triton kernel has no tensor-core products yet: slower on a GPU)" \
+            backend_why = "auto: the reference (the Triton kernel decodes faster on an H200, its long-prompt " \
+                          "prefill is not measured yet: --attention-backend triton)" \
                 if not cpu else "auto on the CPU without the decode kernel (" + (
                     ops_why if ops != "cpu-kernels" else f"head size {arch.head_dim} or dtype unsupported") + ")"
     elif attention == "torch":
