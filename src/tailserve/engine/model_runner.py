@@ -34,6 +34,7 @@ from tailserve.engine.scheduler_output import (
     verified,
 )
 from tailserve.model.config import ModelArchConfig
+from tailserve.model.linear import CpuCompactWeightsLinearMethod
 from tailserve.model.llama import LlamaFamilyModel
 from tailserve.sample.bitmask import apply_token_bitmask
 from tailserve.sample.logits_processors import apply_logits_processors
@@ -224,6 +225,40 @@ class ModelRunner:
             start, i = start + rows, j
         return torch.cat(hidden)
 
+    def _forward(self, input_ids: list[int], positions: list[int], query_lens: list[int], context_lens: list[int],
+                 tables: list[list[int]], native: bool) -> torch.Tensor:
+        """One forward of these sequences (in groups through the fused layer where they fit),
+        with native products for large batches when ``native`` (prompt rows only)."""
+        if self.fused_rows and len(input_ids) > self.fused_rows and max(query_lens) <= self.fused_rows:
+            return self._forward_in_groups(input_ids, positions, query_lens, context_lens, tables)
+        meta = self.attn_backend.build(query_lens, context_lens, tables)
+        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        with self.native_prefill(native) if self.native_prefill else contextlib.nullcontext():
+            return self.model(ids_t, pos_t, self.kv_caches, meta)
+
+    def _forward_mixed(self, input_ids: list[int], positions: list[int], query_lens: list[int],
+                       context_lens: list[int], tables: list[list[int]], prompt_seq: list[bool]) -> torch.Tensor:
+        """A step of prompt chunks beside decode (or verification) rows as two forwards: the
+        prompt sequences' rows with native products, the others in float32 (through the fused
+        layer where they fit), so decode rows are what a pure decode step gives them and prompt
+        chunks what a pure prompt step gives them. Sequences are independent in a forward. On 2
+        cores with AMX, bf16 products of prefill-sized batches ran 7-8x float32's (oneDNN), and
+        the capacity benchmark's mixed steps were half its time (docs/benchmarks.md)."""
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        hidden = None
+        for want in (True, False):
+            idx = [i for i, p in enumerate(prompt_seq) if p is want]
+            rows = [r for i in idx for r in range(starts[i], starts[i + 1])]
+            h = self._forward([input_ids[r] for r in rows], [positions[r] for r in rows], [query_lens[i] for i in idx],
+                              [context_lens[i] for i in idx], [tables[i] for i in idx], want)
+            if hidden is None:
+                hidden = h.new_empty((len(input_ids), h.shape[-1]))
+            hidden[torch.tensor(rows, device=self.device)] = h
+        return hidden
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. Requests with draft tokens are verified: their last k+1 positions
@@ -248,6 +283,8 @@ class ModelRunner:
         all_decode = bool(self.decode_graphs)
         # A step of prompt rows only (no decodes, drafts, recomputed outputs or scored prompts).
         prompt_only = self.native_prefill is not None
+        # Per sequence: its rows are prompt rows only (the same test, one sequence at a time).
+        prompt_seq: list[bool] = []
         for s in sched.scheduled:
             st = self.requests[s.request_id]
             d = list(s.draft_token_ids)
@@ -264,8 +301,9 @@ class ModelRunner:
                 done = s.start_pos + n_real >= st.num_prompt_tokens
                 prompt_rows.append((st, len(input_ids) - len(d) - n_real, s.start_pos, max(n_rows, 0), done))
             all_decode = all_decode and s.num_tokens == 1 and s.sample and not d and not prompt_rows
-            prompt_only = prompt_only and not d and s.start_pos + s.num_tokens <= st.num_prompt_tokens \
-                and st.params.prompt_logprobs is None
+            prompt_seq.append(not d and s.start_pos + s.num_tokens <= st.num_prompt_tokens
+                              and st.params.prompt_logprobs is None)
+            prompt_only = prompt_only and prompt_seq[-1]
             if s.sample:
                 k = len(d)
                 spec |= k > 0
@@ -277,14 +315,11 @@ class ModelRunner:
         if graph is not None:
             hidden = graph.replay(input_ids, context_lens, tables)  # (B, hidden): the real rows
             self.graph_replays += 1
-        elif self.fused_rows and len(input_ids) > self.fused_rows and max(query_lens) <= self.fused_rows:
-            hidden = self._forward_in_groups(input_ids, positions, query_lens, context_lens, tables)
+        elif self.native_prefill is not None and not prompt_only \
+                and sum(n for n, p in zip(query_lens, prompt_seq) if p) > CpuCompactWeightsLinearMethod.SMALL_BATCH:
+            hidden = self._forward_mixed(input_ids, positions, query_lens, context_lens, tables, prompt_seq)
         else:
-            meta = self.attn_backend.build(query_lens, context_lens, tables)
-            ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-            pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-            with self.native_prefill(prompt_only) if self.native_prefill else contextlib.nullcontext():
-                hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
+            hidden = self._forward(input_ids, positions, query_lens, context_lens, tables, prompt_only)
         if prompt_rows:
             self._prompt_logprobs(out, hidden, prompt_rows)
         if sampled:
