@@ -9,7 +9,7 @@ Reported for each: the most sequences running at once, output tokens per second,
 and the KV bytes allocated but holding no token (mean and peak over steps).
 
     python benchmarks/bench_kv_capacity.py [--requests 96] [--kv-cache-memory 48MiB] [--max-model-len 1024]
-        [--dtype bfloat16]
+        [--dtype bfloat16] [--admission-reserve-tokens 64]
 """
 
 from __future__ import annotations
@@ -17,11 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 
+from tailserve.config import DEFAULT_ADMISSION_RESERVE_TOKENS
 from tailserve.demo.capacity import mixed_workload, run_capacity
 
 
-def run(kind: str, requests, kv_bytes: int, max_len: int, dtype: str = "bfloat16") -> dict[str, float]:
-    return run_capacity(kind, requests, kv_bytes, max_len, dtype=dtype)
+def run(kind: str, requests, kv_bytes: int, max_len: int, dtype: str = "bfloat16",
+        admission_reserve_tokens: int = DEFAULT_ADMISSION_RESERVE_TOKENS) -> dict[str, float]:
+    return run_capacity(kind, requests, kv_bytes, max_len, dtype=dtype,
+                        admission_reserve_tokens=admission_reserve_tokens)
 
 
 def main() -> None:
@@ -30,15 +33,18 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", default="48MiB")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--admission-reserve-tokens", type=int, default=DEFAULT_ADMISSION_RESERVE_TOKENS,
+                    help="the paged engine's admission reserve (0: vLLM V1's admit-then-preempt)")
     ap.add_argument("--json")
     args = ap.parse_args()
     from tailserve.config import parse_bytes
 
     kv = parse_bytes(args.kv_cache_memory)
     reqs = mixed_workload(args.requests)
-    res = {k: run(k, reqs, kv, args.max_model_len, args.dtype) for k in ("paged", "contiguous")}
+    res = {k: run(k, reqs, kv, args.max_model_len, args.dtype, args.admission_reserve_tokens)
+           for k in ("paged", "contiguous")}
     print(f"{args.requests} requests (prompts 32-480 tokens, 16-192 new), KV cache {args.kv_cache_memory}, "
-          f"max_model_len {args.max_model_len}, {args.dtype}")
+          f"max_model_len {args.max_model_len}, {args.dtype}, admission reserve {args.admission_reserve_tokens} tokens")
     print(f"{'':12s} {'max concurrent':>15s} {'mean concurrent':>16s} {'tok/s':>8s} {'preemptions':>12s} "
           f"{'mean wasted MiB':>16s} {'peak wasted MiB':>16s}")
     for k, r in res.items():

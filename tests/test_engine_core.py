@@ -260,7 +260,8 @@ def property_engines(llama_checkpoint, noisy_draft):
     path, _ = llama_checkpoint
     # 12 blocks of 4 tokens (both caches' bytes): requests must be preempted.
     per_block = 4 * 2 * 2 * 2 * 16 * 4 * 2  # tokens * K/V * layers * KV heads * head dim * fp32 * 2 models
-    kw = dict(dtype="float32", block_size=4, max_num_batched_tokens=12, enable_prefix_caching=True)
+    kw = dict(dtype="float32", block_size=4, max_num_batched_tokens=12, enable_prefix_caching=True,
+              admission_reserve_tokens=0)  # admit into a full pool, so that growth preempts
     spec = LLM(str(path), kv_cache_memory_bytes=12 * per_block, speculative_model=str(noisy_draft),
                num_speculative_tokens=3, **kw)
     ref = LLM(str(path), kv_cache_memory_bytes=KV, dtype="float32")

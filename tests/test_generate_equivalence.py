@@ -41,9 +41,10 @@ MODES = {
     "small_blocks": dict(block_size=4),
     "few_seqs": dict(max_num_seqs=2),
     # 16 blocks of 16 tokens: the 7 prompts cannot all run at once, so requests get preempted.
-    "preemption": dict(kv_cache_memory_bytes=16 * 2 * 2 * 16 * 2 * 16 * 4, enable_prefix_caching=True),
+    "preemption": dict(kv_cache_memory_bytes=16 * 2 * 2 * 16 * 2 * 16 * 4, enable_prefix_caching=True,
+                       admission_reserve_tokens=0),
     "preemption_no_prefix_cache": dict(kv_cache_memory_bytes=16 * 2 * 2 * 16 * 2 * 16 * 4,
-                                       enable_prefix_caching=False),
+                                       enable_prefix_caching=False, admission_reserve_tokens=0),
 }
 
 

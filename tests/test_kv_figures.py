@@ -35,7 +35,8 @@ def test_figures_while_running_and_after(llama_checkpoint):
 def test_evictions_preemptions_and_the_exposition(llama_checkpoint):
     path, _ = llama_checkpoint
     # 6 blocks of 4 tokens: two 10-token prompts with 5 new tokens each cannot both fit.
-    llm = LLM(str(path), dtype="float32", block_size=4, kv_cache_memory_bytes=6 * 4 * BYTES_PER_TOKEN)
+    llm = LLM(str(path), dtype="float32", block_size=4, kv_cache_memory_bytes=6 * 4 * BYTES_PER_TOKEN,
+              admission_reserve_tokens=0)  # admit into a full pool: preempt
     outs = llm.generate([list(range(20, 30)), list(range(40, 50))], GREEDY)
     assert all(o.num_output_tokens == 5 for o in outs)
     kv = llm.stats()["kv_cache"]

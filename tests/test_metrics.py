@@ -24,7 +24,7 @@ def preempting_run(llama_checkpoint):
     """A workload on a KV cache small enough to force preemption; returns (llm, outputs)."""
     path, _ = llama_checkpoint
     llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=12 * 2 * 2 * 16 * 2 * 16 * 4,
-              max_num_batched_tokens=32)
+              max_num_batched_tokens=32, admission_reserve_tokens=0)
     prompts = [[(i * 7 + j) % 300 + 2 for j in range(10 + 9 * i)] for i in range(6)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     return llm, outs

@@ -21,7 +21,7 @@ PROMPT = list(range(3, 73))  # 70 tokens: blocks of 16 -> 4 full blocks, the 5th
 
 # -- the scheduler alone, with hand-written runner outputs ----------------------------------------
 def _sched(num_blocks=64, block_size=4, max_seqs=8, prefix=True):
-    return Scheduler(SchedulerConfig(max_seqs, 256, True), BlockPool(num_blocks, block_size, prefix))
+    return Scheduler(SchedulerConfig(max_seqs, 256, True, 0), BlockPool(num_blocks, block_size, prefix))
 
 
 def _group(s, n_prompt, n, max_tokens=4):

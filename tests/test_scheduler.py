@@ -15,9 +15,11 @@ from tailserve.sampling_params import SamplingParams
 EOS = 1
 
 
-def make(num_blocks=64, block_size=4, max_seqs=8, max_tokens_per_step=64, prefix=True, chunked=True):
+def make(num_blocks=64, block_size=4, max_seqs=8, max_tokens_per_step=64, prefix=True, chunked=True, reserve=0):
+    # reserve 0: admit while blocks are free and preempt when they run out (the tests below
+    # drive preemption by hand); the engine's default reserve has its own tests.
     pool = BlockPool(num_blocks, block_size, prefix)
-    return Scheduler(SchedulerConfig(max_seqs, max_tokens_per_step, chunked), pool)
+    return Scheduler(SchedulerConfig(max_seqs, max_tokens_per_step, chunked, reserve), pool)
 
 
 def req(rid, n_prompt, max_tokens=4, start=10):
@@ -338,9 +340,53 @@ def test_admission_hook_lets_a_contiguous_baseline_reserve_the_whole_context():
             return -(-32 // self.block_size)
 
     for cls, admitted in ((Scheduler, 6), (Contiguous, 2)):
-        s = cls(SchedulerConfig(8, 256, True), BlockPool(16, 4, False))
+        s = cls(SchedulerConfig(8, 256, True, 0), BlockPool(16, 4, False))
         for i in range(6):
             s.add_request(Request(f"r{i}", list(range(100 + 10 * i, 106 + 10 * i)), SamplingParams(max_tokens=20),
                                   frozenset({EOS}), 32))
         out = s.schedule()
         assert len(out.scheduled) == admitted and s.pool.num_used_blocks == admitted * (8 if cls is Contiguous else 2)
+
+
+def test_admission_keeps_blocks_for_the_running_requests_growth():
+    # 8 blocks of 4 tokens. a (6-token prompt, 40 new tokens) has run one step: 7 tokens in 2
+    # blocks. With a reserve of 24 tokens a's growth to 31 tokens needs 8 blocks, 6 more than
+    # it holds, so b (7 tokens, 2 blocks) waits; with none, b is admitted at once (and c, 17
+    # tokens in 5 blocks, does not fit either way).
+    for reserve, admitted in ((0, ["a", "b"]), (24, ["a"])):
+        s = make(num_blocks=8, block_size=4, prefix=False, reserve=reserve)
+        s.add_request(req("a", 6, max_tokens=40))
+        run_step(s)
+        s.add_request(req("b", 7, max_tokens=16, start=100))
+        s.add_request(req("c", 17, max_tokens=16, start=200))
+        run_step(s)
+        assert [r.request_id for r in s.running] == admitted, reserve
+    # The reserve is bounded by what a request may still produce: with 2 tokens left, a (7
+    # tokens in 2 blocks) needs 1 more block, so b (7 tokens and 1 new: 2 blocks) fits in the
+    # 3 free; with 39 left it does not.
+    for a_max, admitted in ((3, ["a", "b"]), (40, ["a"])):
+        s = make(num_blocks=5, block_size=4, prefix=False, reserve=64)
+        s.add_request(req("a", 6, max_tokens=a_max))
+        run_step(s)
+        s.add_request(req("b", 7, max_tokens=1, start=100))
+        out, _ = run_step(s)
+        assert [x.request_id for x in out.scheduled] == admitted, a_max
+    # Nothing is preempted in a run that would preempt without the reserve.
+    for reserve, preempts in ((0, True), (64, False)):
+        s = make(num_blocks=12, block_size=4, prefix=False, reserve=reserve)
+        for i in range(4):
+            s.add_request(req(f"r{i}", 6, max_tokens=20, start=10 + 30 * i))
+        for _ in range(200):
+            if not s.has_unfinished_requests():
+                break
+            run_step(s)
+        assert (s.num_preemptions > 0) is preempts, reserve
+
+
+def test_a_request_alone_is_admitted_whatever_its_growth():
+    # 2 blocks of 4, a 7-token prompt with 5 new tokens: its growth can never fit, but with
+    # nothing running nothing could free a block for it, so it runs (and is cut by the pool).
+    s = make(num_blocks=2, block_size=4, prefix=False, reserve=64)
+    s.add_request(req("a", 7, max_tokens=5))
+    out, _ = run_step(s)
+    assert [n.request_id for n in out.new_requests] == ["a"]

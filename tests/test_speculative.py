@@ -47,7 +47,7 @@ MODES = {
     "plain": dict(enable_prefix_caching=False),
     "chunked_prefix": dict(max_num_batched_tokens=16, enable_prefix_caching=True),
     # 14 blocks of 16 tokens (both caches' bytes): requests must be preempted.
-    "preemption": dict(kv_cache_memory_bytes=14 * 16 * 2 * 2 * 2 * 16 * 4 * 2),
+    "preemption": dict(kv_cache_memory_bytes=14 * 16 * 2 * 2 * 2 * 16 * 4 * 2, admission_reserve_tokens=0),
 }
 
 

@@ -267,7 +267,7 @@ def test_engine_core_rolls_back_rejected_drafts_from_a_replayed_output():
 
 
 def test_engine_core_preempts_the_newest_when_blocks_run_out():
-    cfg = EngineConfig(model="builtin", block_size=4, max_num_seqs=4)
+    cfg = EngineConfig(model="builtin", block_size=4, max_num_seqs=4, admission_reserve_tokens=0)
     worker = ReplayWorker(cfg, 6, _tokens_for)  # 24 token slots
     core = EngineCore(cfg, worker=worker)
     core.add_request("old", _prepared(8, max_tokens=12, ignore_eos=True))

@@ -14,7 +14,12 @@ import sys
 import time
 from collections.abc import Sequence
 
-from tailserve.config import DEFAULT_KV_CACHE_MEMORY_BYTES, DEFAULT_TOOL_CALL_KV_TTL_S, parse_bytes
+from tailserve.config import (
+    DEFAULT_ADMISSION_RESERVE_TOKENS,
+    DEFAULT_KV_CACHE_MEMORY_BYTES,
+    DEFAULT_TOOL_CALL_KV_TTL_S,
+    parse_bytes,
+)
 from tailserve.errors import ConfigError, TailserveError
 
 
@@ -31,6 +36,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "leaves after a profiling pass")
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--admission-reserve-tokens", type=int, default=DEFAULT_ADMISSION_RESERVE_TOKENS,
+                   help="admit a request only while the KV blocks the running requests need for their next N tokens "
+                        "(each at most its max_tokens) stay free; 0: admit while any block is free and preempt when "
+                        "blocks run out (vLLM V1's rule)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--prefix-caching-hash-algo", choices=["builtin", "sha256_cbor_64bit"], default=None,
@@ -112,7 +121,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
     return dict(
         dtype=args.dtype, device=args.device, block_size=args.block_size,
         kv_cache_memory_bytes=None if args.kv_cache_memory is None else parse_bytes(args.kv_cache_memory),
-        max_num_seqs=args.max_num_seqs,
+        max_num_seqs=args.max_num_seqs, admission_reserve_tokens=args.admission_reserve_tokens,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
         seed=args.seed, cpu_onednn=args.cpu_onednn, cpu_kernels=args.cpu_kernels,

@@ -14,6 +14,7 @@ import statistics
 import time
 from typing import Any
 
+from tailserve.config import DEFAULT_ADMISSION_RESERVE_TOKENS
 from tailserve.engine.llm import LLM
 from tailserve.engine.scheduler import Scheduler
 from tailserve.memory.kv_cache import kv_bytes_per_block
@@ -29,6 +30,9 @@ class ContiguousReservationScheduler(Scheduler):
 
     def _blocks_at_admission(self, req: Any, num_tokens: int) -> int:
         return -(-max(num_tokens, self.max_model_len) // self.block_size)
+
+    def _admission_reserve(self) -> int:
+        return 0  # every admitted sequence already holds its whole context
 
 
 def mixed_workload(n: int, seed: int = 0, prompt_range: tuple[int, int] = (32, 480),
@@ -46,12 +50,13 @@ def bytes_per_token(llm: LLM) -> int:
 
 
 def run_capacity(kind: str, requests: list[tuple[list[int], int]], kv_bytes: int, max_len: int,
-                 model: str | None = None, dtype: str = "auto") -> dict[str, Any]:
+                 model: str | None = None, dtype: str = "auto",
+                 admission_reserve_tokens: int = DEFAULT_ADMISSION_RESERVE_TOKENS) -> dict[str, Any]:
     """Run every request to its end under ``kind`` ("paged" | "contiguous"): the most
     sequences running at once, their mean, output tokens/s, preemptions, and the KV bytes
     allocated but holding no token (mean and peak over steps)."""
     llm = LLM(model, dtype=dtype, kv_cache_memory_bytes=kv_bytes, max_model_len=max_len, enable_prefix_caching=False,
-              max_num_seqs=256, enable_metrics=False)
+              max_num_seqs=256, enable_metrics=False, admission_reserve_tokens=admission_reserve_tokens)
     eng = llm.engine
     if kind == "contiguous":
         old = eng.core.scheduler

@@ -280,6 +280,7 @@ class Scheduler:
             i += 1
 
         if not out.preempted_ids:
+            reserve = self._admission_reserve() if self.waiting else 0
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
                 hits = self._prefix_hits(req)
@@ -291,7 +292,9 @@ class Scheduler:
                 # Cache-hit blocks that are currently free stop being free when taken.
                 free_hits = sum(1 for b in hits if self.pool.blocks[b].ref_count == 0)
                 need = self._blocks_at_admission(req, num_computed + num_new) - len(hits)
-                if need > self.pool.num_free_blocks - free_hits:
+                grows = self._growth_blocks(req, len(hits) + need)  # its own growth must fit too
+                # Alone, a request is admitted whatever its growth: nothing else could free blocks.
+                if need + (grows + reserve if self.running else 0) > self.pool.num_free_blocks - free_hits:
                     break
                 self.waiting.popleft()
                 self.pool.touch(hits)
@@ -317,12 +320,31 @@ class Scheduler:
                 out.scheduled.append(self._scheduled(req, num_new))
                 chosen.append(req)
                 budget -= num_new
+                reserve += grows
 
         if self.speculation is not None and out.scheduled:
             self._reserve_lookahead(out, chosen)
         for req in chosen:
             self._describe(req, out)
         return out
+
+    def _growth_blocks(self, req: Request, held: int | None = None) -> int:
+        """Blocks ``req`` lacks, beyond the ``held`` it has (default: its block table), for the
+        rest of its prompt and its next ``admission_reserve_tokens`` tokens (at most what
+        max_tokens and the context leave)."""
+        n = self.config.admission_reserve_tokens
+        if n <= 0:
+            return 0
+        grow = max(0, min(n, req.params.max_tokens - req.num_output_tokens, req.max_model_len - req.num_tokens))
+        held = len(req.block_ids) if held is None else held
+        return max(0, -(-(req.num_tokens + grow) // self.block_size) - held)
+
+    def _admission_reserve(self) -> int:
+        """Free blocks a new request may not take: the running requests' growth (SGLang
+        reserves the same way, for a fraction of every running request's remaining tokens;
+        vLLM V1 keeps none and preempts). Without it, a full pool admitted requests whose
+        growth then preempted others, and each preemption recomputes its whole context."""
+        return sum(self._growth_blocks(r) for r in self.running)
 
     def _blocks_at_admission(self, req: Request, num_tokens: int) -> int:
         """Blocks a request holds once admitted to compute its first ``num_tokens`` tokens.
