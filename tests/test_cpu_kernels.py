@@ -425,3 +425,30 @@ def test_a_step_that_prefills_beside_decodes_gives_each_what_a_pure_step_would()
     llm.engine.core.worker.runner.native_prefill = method.native_scope
     b_alone = llm.generate([prompt_b], SamplingParams(temperature=0, max_tokens=1, logprobs=3))[0].outputs[0].logprobs
     assert b_mixed == b_alone
+
+
+@needs_kernels
+def test_forward_groups_gives_each_group_its_own_forward_bit_for_bit(tmp_path):
+    # Layer by layer across the groups (each layer's weights read once for all of them), and
+    # still each group's hidden states are exactly those of its own forward.
+    from conftest import build_hf_model, save_checkpoint
+    from tailserve import LLM
+
+    path = save_checkpoint(build_hf_model("llama"), tmp_path / "bf16", dtype=torch.bfloat16)
+    runner = LLM(str(path), kv_cache_memory_bytes=8 << 20).engine.core.worker.runner
+    assert runner.fused_rows == 16
+    be, model = runner.attn_backend, runner.model
+
+    def group(ids, ctxs, first_block):
+        tables = [[first_block + 2 * i, first_block + 2 * i + 1] for i in range(len(ids))]
+        meta = be.build([1] * len(ids), ctxs, tables)
+        return torch.tensor(ids), torch.tensor([c - 1 for c in ctxs]), meta
+
+    with torch.inference_mode():
+        torch.manual_seed(0)
+        for cache in runner.kv_caches:
+            cache.normal_()  # some context to attend to
+        groups = [group([5, 17, 40], [5, 9, 2], 0), group([8, 33], [12, 3], 6)]
+        alone = [model(ids, pos, runner.kv_caches, meta) for ids, pos, meta in groups]
+        together = model.forward_groups(groups, runner.kv_caches)
+    assert all(torch.equal(a, b) for a, b in zip(alone, together))

@@ -212,7 +212,7 @@ class ModelRunner:
         per-operation path over 32 rows cost more than two fused passes over 16. Sequences are
         independent in a forward, so each row is what it would be in a batch of its group
         alone (and a request's output does not depend on how many decode beside it)."""
-        hidden, start, i = [], 0, 0
+        groups, start, i = [], 0, 0
         while i < len(query_lens):
             j, rows = i, 0
             while j < len(query_lens) and rows + query_lens[j] <= self.fused_rows:
@@ -221,9 +221,9 @@ class ModelRunner:
             meta = self.attn_backend.build(query_lens[i:j], context_lens[i:j], tables[i:j])
             ids_t = torch.tensor(input_ids[start : start + rows], dtype=torch.long, device=self.device)
             pos_t = torch.tensor(positions[start : start + rows], dtype=torch.long, device=self.device)
-            hidden.append(self.model(ids_t, pos_t, self.kv_caches, meta))
+            groups.append((ids_t, pos_t, meta))
             start, i = start + rows, j
-        return torch.cat(hidden)
+        return torch.cat(self.model.forward_groups(groups, self.kv_caches))
 
     def _forward(self, input_ids: list[int], positions: list[int], query_lens: list[int], context_lens: list[int],
                  tables: list[list[int]], native: bool) -> torch.Tensor:
