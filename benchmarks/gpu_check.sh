@@ -3,8 +3,10 @@
 #
 # Usage (device machine, repository root): bash benchmarks/gpu_check.sh
 #   STAGES="tests triton alloc kv decode engine" (default: all) picks stages, for a rerun of the failed ones.
-#   A .whl/ folder beside it (wheels for Python 3.12, made with pip download: ddsketch, starlette, hypercorn,
-#   llguidance, ...) is installed to /tmp/site first: the device machine reaches no package registry.
+#   A .whl/ folder in the repository root (made here by benchmarks/gpu_wheels.sh: ddsketch, starlette, hypercorn,
+#   llguidance, ... for Python 3.12) is installed to /tmp/site first: the device machine reaches no package
+#   registry. With the device tool: run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=480);
+#   the first run took 198 s on an H200 (2026-12-04).
 #
 # Time: the correctness stages (tests, triton, alloc) run side by side, each in its own processes
 # (the GPU has room for all of them; none of them times anything); then kv, decode and engine run
