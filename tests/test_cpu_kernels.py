@@ -370,8 +370,14 @@ def test_a_decode_of_more_sequences_than_the_fused_rows_runs_in_groups_and_match
 
     path = save_checkpoint(build_hf_model("llama"), tmp_path / "bf16", dtype=torch.bfloat16)
     llm = LLM(str(path), kv_cache_memory_bytes=8 << 20)
-    runner = llm.engine.core.worker.runner
+    worker = llm.engine.core.worker
+    runner = worker.runner
     assert runner.fused_rows == 16
+    # Decode rows are the subject. Prompt rows multiply natively where the CPU has bf16 (60 rows
+    # of prompts together, 3 alone: kernel), so a prompt's K/V depends on the prompts beside
+    # it there, as on a GPU: keep the prefill in float32 for this comparison.
+    worker.linear_method.native_large_batches = False
+    runner.native_prefill = None
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = [[3 + i, 7, 11 + 2 * i] for i in range(20)]  # 20 decodes a step: two groups
     calls = []
@@ -452,3 +458,32 @@ def test_forward_groups_gives_each_group_its_own_forward_bit_for_bit(tmp_path):
         alone = [model(ids, pos, runner.kv_caches, meta) for ids, pos, meta in groups]
         together = model.forward_groups(groups, runner.kv_caches)
     assert all(torch.equal(a, b) for a, b in zip(alone, together))
+
+
+@needs_kernels
+def test_short_prompt_chunks_after_prefix_hits_go_native_in_one_forward_not_fused_groups():
+    # 15 requests whose first 112 tokens are cached prefill 16 tokens each: with native prefill
+    # products that is one forward of 240 rows (it ran as 15 fused groups, 2x the time);
+    # without them, the float32 groups through the fused layer as before.
+    import random
+
+    from tailserve import LLM, SamplingParams
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 4000) for _ in range(128)] for _ in range(15)]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for native, grouped_calls in ((True, 0), (False, 1)):
+        llm = LLM(dtype="auto", kv_cache_memory_bytes=16 << 20, enable_metrics=False)
+        worker = llm.engine.core.worker
+        worker.linear_method.native_large_batches = native
+        worker.runner.native_prefill = worker.linear_method.native_scope if native else None
+        llm.generate(prompts, params)  # cache the prompts
+        runner, calls = worker.runner, []
+        grouped = runner._forward_in_groups
+        runner._forward_in_groups = lambda *a, c=calls, g=grouped: c.append(len(a[2])) or g(*a)
+        for p in prompts:
+            llm.engine.add_request(p[:112] + [7] * 16, params)
+        llm.engine.step()
+        assert llm.engine.step_log[-1].num_prefill_tokens == 240
+        assert len(calls) == grouped_calls, native
+        llm.shutdown()

@@ -227,9 +227,14 @@ class ModelRunner:
 
     def _forward(self, input_ids: list[int], positions: list[int], query_lens: list[int], context_lens: list[int],
                  tables: list[list[int]], native: bool) -> torch.Tensor:
-        """One forward of these sequences (in groups through the fused layer where they fit),
-        with native products for large batches when ``native`` (prompt rows only)."""
-        if self.fused_rows and len(input_ids) > self.fused_rows and max(query_lens) <= self.fused_rows:
+        """One forward of these sequences, with native products for large batches when
+        ``native`` (prompt rows only, where the plan allows them). Float32 rows of more than
+        ``fused_rows`` in all, at most that many a sequence, go in groups through the fused
+        layer. Native ones never do: 15 prompt chunks of 16 tokens after prefix-cache hits ran
+        as 15 fused groups in 42 ms, against one native forward of a few ms."""
+        native = native and self.native_prefill is not None
+        if not native and self.fused_rows and len(input_ids) > self.fused_rows \
+                and max(query_lens) <= self.fused_rows:
             return self._forward_in_groups(input_ids, positions, query_lens, context_lens, tables)
         meta = self.attn_backend.build(query_lens, context_lens, tables)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
