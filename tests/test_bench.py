@@ -233,10 +233,13 @@ def test_poisson_and_gamma_arrivals_have_the_asked_rate_and_spread():
 
 
 def test_random_prompts_have_exact_token_counts(tok):
+    # As vLLM's random dataset, the length is what the server counts: special tokens included.
+    special = len(tok.encode(""))
     reqs = load_dataset(DatasetConfig(name="random", num_prompts=20, input_len=100, output_len=10), tok)
-    assert all(len(tok.encode(r.prompt, add_special_tokens=False)) == 100 for r in reqs)
+    assert all(len(tok.encode(r.prompt)) == r.prompt_len == 100 for r in reqs)
+    assert all(len(tok.encode(r.prompt, add_special_tokens=False)) == 100 - special for r in reqs)
     varied = load_dataset(DatasetConfig(name="random", num_prompts=30, input_len=100, range_ratio=0.5), tok)
-    lens = {len(tok.encode(r.prompt, add_special_tokens=False)) for r in varied}
+    lens = {len(tok.encode(r.prompt)) for r in varied}
     assert len(lens) > 5 and min(lens) >= 50 and max(lens) <= 150
 
 

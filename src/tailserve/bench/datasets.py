@@ -117,8 +117,10 @@ def load_dataset(cfg: DatasetConfig, tokenizer: Tokenizer | None) -> list[BenchR
 
 # -- exact-length text ---------------------------------------------------------------------
 
-def text_of_length(tokenizer: Tokenizer, n: int, rng: random.Random, avoid: Sequence[int] = ()) -> tuple[str, int]:
-    """Text that the tokenizer encodes (without special tokens) to exactly ``n`` tokens.
+def text_of_length(tokenizer: Tokenizer, n: int, rng: random.Random, avoid: Sequence[int] = (),
+                   special_tokens: bool = False) -> tuple[str, int]:
+    """Text that the tokenizer encodes (without special tokens, or with them when
+    ``special_tokens``, as a server counts a prompt) to exactly ``n`` tokens.
 
     Random ids decode to text that re-tokenises differently (merges across the seams), so
     the text is re-encoded, cut or padded with more random ids, and decoded again until the
@@ -130,16 +132,23 @@ def text_of_length(tokenizer: Tokenizer, n: int, rng: random.Random, avoid: Sequ
         if tid is not None:
             special.add(tid)
     vocab = [i for i in range(min(tokenizer.vocab_size, 1 << 20)) if i not in special]
-    ids = [rng.choice(vocab) for _ in range(n)]
+    extra = len(tokenizer.encode("")) if special_tokens else 0  # what the tokenizer adds (a BOS)
+    m = max(0, n - extra)  # ids of text
+
+    def count(t: str) -> int:
+        return len(tokenizer.encode(t, add_special_tokens=special_tokens))
+
+    ids = [rng.choice(vocab) for _ in range(m)]
     text = tokenizer.decode(ids)
-    got = len(tokenizer.encode(text, add_special_tokens=False))
+    got = count(text)
     for _ in range(20):
         if got == n:
             break
         enc = tokenizer.encode(text, add_special_tokens=False)
-        ids = enc[:n] if len(enc) > n else enc + [rng.choice(vocab) for _ in range(n - len(enc))]
+        m = max(0, m + n - got)  # the text's ids that should bring the count to n
+        ids = enc[:m] if len(enc) > m else enc + [rng.choice(vocab) for _ in range(m - len(enc))]
         text = tokenizer.decode(ids)
-        got = len(tokenizer.encode(text, add_special_tokens=False))
+        got = count(text)
     return text, got
 
 
@@ -149,12 +158,19 @@ def _count(tokenizer: Tokenizer | None, text: str) -> int:
 
 def _random(cfg: DatasetConfig, tok: Tokenizer, rng: random.Random) -> list[BenchRequest]:
     prefix = text_of_length(tok, cfg.prefix_len, rng)[0] if cfg.prefix_len else ""
+    # As vLLM's random dataset: the input length counts the special tokens (a BOS) the server's
+    # tokenizer adds, so a 128-token input is 128 tokens to the server. (One more made a
+    # prefix-cached repeat of the load compute 1 token per prompt instead of vLLM's last block,
+    # and its TTFT half of vllm bench serve's.)
     out = []
     for _ in range(cfg.num_prompts):
         lo, hi = int(cfg.input_len * (1 - cfg.range_ratio)), int(cfg.input_len * (1 + cfg.range_ratio))
         n_in = max(1, rng.randint(lo, hi))
         olo, ohi = int(cfg.output_len * (1 - cfg.range_ratio)), int(cfg.output_len * (1 + cfg.range_ratio))
-        text, _ = text_of_length(tok, n_in, rng)
+        if prefix:  # the prefix's tokens come on top, as in vLLM (seams may shift the count by one)
+            text, _ = text_of_length(tok, max(1, n_in - len(tok.encode(""))), rng)
+        else:
+            text, _ = text_of_length(tok, n_in, rng, special_tokens=True)
         prompt = prefix + text
         out.append(BenchRequest(prompt, _count(tok, prompt), max(1, rng.randint(olo, ohi))))
     return out
