@@ -43,6 +43,20 @@ def cpu_s(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
 
 
+def server_ttft_totals(url: str) -> tuple[float, float]:
+    """The server's own TTFT histogram (arrival to first token): (sum of seconds, count)."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    total = count = 0.0
+    for line in text.splitlines():
+        if line.startswith("tailserve:time_to_first_token_seconds_sum"):
+            total = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("tailserve:time_to_first_token_seconds_count"):
+            count = float(line.rsplit(" ", 1)[1])
+    return total, count
+
+
 def run_client(cmd: list[str], server_pid: int, env: dict[str, str] | None = None) -> tuple[float, float]:
     """Run one client to its end; (its CPU seconds during the load, the load's seconds)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
@@ -106,19 +120,26 @@ def main() -> None:
             for name in order:
                 cmd, env = clients[name]
                 fname = f"{name.split()[0]}-{r}.json"
+                s0, n0 = server_ttft_totals(srv.url)
                 cpu, window = run_client(cmd(fname), srv.proc.pid, env)
+                s1, n1 = server_ttft_totals(srv.url)
                 res = json.loads((tmp / fname).read_text())
                 toks = res["total_output_tokens"] if "total_output_tokens" in res else res["output_tokens"]
+                # The server's own mean TTFT over this load: whether the two clients' loads
+                # landed alike, apart from what each client adds to its own TTFT.
                 row = {"output_throughput": res["output_throughput"], "median_ttft_ms": res["median_ttft_ms"],
+                       "server_mean_ttft_ms": (s1 - s0) / max(n1 - n0, 1) * 1e3,
                        "cpu_s": cpu, "load_s": window, "cpu_ms_per_1k_tokens": cpu / toks * 1e6}
                 rows[name].append(row)
                 print(f"round {r + 1} {name:18s} {row['output_throughput']:7.1f} tok/s  TTFT P50 "
-                      f"{row['median_ttft_ms']:7.1f} ms  client CPU {row['cpu_s']:.2f} s over {window:.1f} s "
-                      f"= {row['cpu_ms_per_1k_tokens']:.0f} ms per 1k tokens", flush=True)
+                      f"{row['median_ttft_ms']:7.1f} ms (server's mean {row['server_mean_ttft_ms']:5.1f})  client CPU "
+                      f"{row['cpu_s']:.2f} s over {window:.1f} s = {row['cpu_ms_per_1k_tokens']:.0f} ms per 1k tokens",
+                      flush=True)
     med = {name: {k: statistics.median(row[k] for row in rs) for k in rs[0]} for name, rs in rows.items()}
     print("\nmedians:")
     for name, m in med.items():
         print(f"  {name:18s} {m['output_throughput']:7.1f} tok/s  TTFT P50 {m['median_ttft_ms']:7.1f} ms  "
+              f"(server's mean {m['server_mean_ttft_ms']:.1f} ms)  "
               f"{m['cpu_ms_per_1k_tokens']:.0f} ms CPU per 1k tokens")
     if "vllm bench serve" in med:
         t, v = med["tailserve bench"], med["vllm bench serve"]
