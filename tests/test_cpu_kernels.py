@@ -389,17 +389,24 @@ def test_a_decode_of_more_sequences_than_the_fused_rows_runs_in_groups_and_match
     assert together == [llm.generate([p], params)[0].token_ids for p in prompts]
 
 
-def _run_with_a_prompt_beside(prompt_b: list[int] | None, native: bool = True) -> tuple[list, list]:
-    """The built-in target with native prefill products forced on (a CPU without native bf16
-    computes them too, slowly): A decodes; B's prompt, if given, arrives after A's first step,
-    so A's second token comes from a step that also prefills B. Returns (A's logprobs, B's)."""
-    from tailserve import LLM, SamplingParams
+def _builtin_llm(native: bool, **kw):
+    """The built-in target with native prefill products forced on or off (a CPU without native
+    bf16 computes them too, slowly), whatever the plan chose here."""
+    from tailserve import LLM
 
-    llm = LLM(dtype="auto", enable_prefix_caching=False, kv_cache_memory_bytes=8 << 20, enable_metrics=False)
+    llm = LLM(dtype="auto", enable_metrics=False, **kw)
     worker = llm.engine.core.worker
-    method = worker.linear_method
-    method.native_large_batches = native
-    worker.runner.native_prefill = method.native_scope if native else None
+    worker.linear_method.native_large_batches = native
+    worker.runner.native_prefill = worker.linear_method.native_scope if native else None
+    return llm
+
+
+def _run_with_a_prompt_beside(prompt_b: list[int] | None) -> tuple[list, list]:
+    """Native prefill on: A decodes; B's prompt, if given, arrives after A's first step, so A's
+    second token comes from a step that also prefills B. Returns (A's logprobs, B's)."""
+    from tailserve import SamplingParams
+
+    llm = _builtin_llm(True, enable_prefix_caching=False, kv_cache_memory_bytes=8 << 20)
     eng = llm.engine
     params = SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True)
     a = eng.add_request([5, 6, 7, 8, 9, 10], params)
@@ -423,12 +430,9 @@ def test_a_step_that_prefills_beside_decodes_gives_each_what_a_pure_step_would()
     alone_a, _ = _run_with_a_prompt_beside(None)
     with_b, b_mixed = _run_with_a_prompt_beside(prompt_b)
     assert with_b == alone_a
-    from tailserve import LLM, SamplingParams
+    from tailserve import SamplingParams
 
-    llm = LLM(dtype="auto", enable_prefix_caching=False, kv_cache_memory_bytes=8 << 20, enable_metrics=False)
-    method = llm.engine.core.worker.linear_method
-    method.native_large_batches = True
-    llm.engine.core.worker.runner.native_prefill = method.native_scope
+    llm = _builtin_llm(True, enable_prefix_caching=False, kv_cache_memory_bytes=8 << 20)
     b_alone = llm.generate([prompt_b], SamplingParams(temperature=0, max_tokens=1, logprobs=3))[0].outputs[0].logprobs
     assert b_mixed == b_alone
 
@@ -467,18 +471,15 @@ def test_short_prompt_chunks_after_prefix_hits_go_native_in_one_forward_not_fuse
     # without them, the float32 groups through the fused layer as before.
     import random
 
-    from tailserve import LLM, SamplingParams
+    from tailserve import SamplingParams
 
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 4000) for _ in range(128)] for _ in range(15)]
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     for native, grouped_calls in ((True, 0), (False, 1)):
-        llm = LLM(dtype="auto", kv_cache_memory_bytes=16 << 20, enable_metrics=False)
-        worker = llm.engine.core.worker
-        worker.linear_method.native_large_batches = native
-        worker.runner.native_prefill = worker.linear_method.native_scope if native else None
+        llm = _builtin_llm(native, kv_cache_memory_bytes=16 << 20)
         llm.generate(prompts, params)  # cache the prompts
-        runner, calls = worker.runner, []
+        runner, calls = llm.engine.core.worker.runner, []
         grouped = runner._forward_in_groups
         runner._forward_in_groups = lambda *a, c=calls, g=grouped: c.append(len(a[2])) or g(*a)
         for p in prompts:

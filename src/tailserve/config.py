@@ -74,7 +74,7 @@ def parse_slo(text: str) -> SloBounds:
 # many tokens (at most what its max_tokens and the context leave). 0 admits while any block is
 # free and preempts (recomputes) when blocks run out, vLLM V1's rule. Measured with
 # benchmarks/bench_kv_capacity.py (96 mixed requests, 24-96 MiB, 2 AVX-512 cores): 64 took the
-# preemptions from 12-33 to 0 and paged throughput up 7-20% (docs/benchmarks.md).
+# preemptions from 12-33 to 0 and paged throughput up 5-19% (docs/benchmarks.md).
 DEFAULT_ADMISSION_RESERVE_TOKENS = 64
 
 

@@ -162,13 +162,14 @@ def _random(cfg: DatasetConfig, tok: Tokenizer, rng: random.Random) -> list[Benc
     # tokenizer adds, so a 128-token input is 128 tokens to the server. (One more made a
     # prefix-cached repeat of the load compute 1 token per prompt instead of vLLM's last block,
     # and its TTFT half of vllm bench serve's.)
+    n_special = len(tok.encode(""))
     out = []
     for _ in range(cfg.num_prompts):
         lo, hi = int(cfg.input_len * (1 - cfg.range_ratio)), int(cfg.input_len * (1 + cfg.range_ratio))
         n_in = max(1, rng.randint(lo, hi))
         olo, ohi = int(cfg.output_len * (1 - cfg.range_ratio)), int(cfg.output_len * (1 + cfg.range_ratio))
         if prefix:  # the prefix's tokens come on top, as in vLLM (seams may shift the count by one)
-            text, _ = text_of_length(tok, max(1, n_in - len(tok.encode(""))), rng)
+            text, _ = text_of_length(tok, max(1, n_in - n_special), rng)
         else:
             text, _ = text_of_length(tok, n_in, rng, special_tokens=True)
         prompt = prefix + text

@@ -230,8 +230,8 @@ class ModelRunner:
         """One forward of these sequences, with native products for large batches when
         ``native`` (prompt rows only, where the plan allows them). Float32 rows of more than
         ``fused_rows`` in all, at most that many a sequence, go in groups through the fused
-        layer. Native ones never do: 15 prompt chunks of 16 tokens after prefix-cache hits ran
-        as 15 fused groups in 42 ms, against one native forward of a few ms."""
+        layer. Native ones never do: a step of 15 prompt chunks of 16 tokens after prefix-cache
+        hits took 42 ms as 15 fused groups, 22 ms as one native forward."""
         native = native and self.native_prefill is not None
         if not native and self.fused_rows and len(input_ids) > self.fused_rows \
                 and max(query_lens) <= self.fused_rows:
