@@ -9,7 +9,10 @@ Reported for each: the most sequences running at once, output tokens per second,
 and the KV bytes allocated but holding no token (mean and peak over steps).
 
     python benchmarks/bench_kv_capacity.py [--requests 96] [--kv-cache-memory 48MiB] [--max-model-len 1024]
-        [--dtype bfloat16] [--admission-reserve-tokens 64]
+        [--dtype bfloat16] [--admission-reserve-tokens 64] [--kv-cache-dtype auto] [--rounds 1]
+
+With --rounds N both kinds run N times, interleaved (paged, contiguous, paged, ...), and the
+table shows each kind's median tok/s with every round's figure.
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ from tailserve.demo.capacity import mixed_workload, run_capacity
 
 
 def run(kind: str, requests, kv_bytes: int, max_len: int, dtype: str = "bfloat16",
-        admission_reserve_tokens: int = DEFAULT_ADMISSION_RESERVE_TOKENS) -> dict[str, float]:
+        admission_reserve_tokens: int = DEFAULT_ADMISSION_RESERVE_TOKENS,
+        kv_cache_dtype: str = "auto") -> dict[str, float]:
     return run_capacity(kind, requests, kv_bytes, max_len, dtype=dtype,
-                        admission_reserve_tokens=admission_reserve_tokens)
+                        admission_reserve_tokens=admission_reserve_tokens, kv_cache_dtype=kv_cache_dtype)
 
 
 def main() -> None:
@@ -35,21 +39,32 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--admission-reserve-tokens", type=int, default=DEFAULT_ADMISSION_RESERVE_TOKENS,
                     help="the paged engine's admission reserve (0: vLLM V1's admit-then-preempt)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--json")
     args = ap.parse_args()
     from tailserve.config import parse_bytes
 
     kv = parse_bytes(args.kv_cache_memory)
     reqs = mixed_workload(args.requests)
-    res = {k: run(k, reqs, kv, args.max_model_len, args.dtype, args.admission_reserve_tokens)
-           for k in ("paged", "contiguous")}
+    rounds: dict[str, list[dict]] = {"paged": [], "contiguous": []}
+    for _ in range(args.rounds):
+        for k in rounds:
+            rounds[k].append(run(k, reqs, kv, args.max_model_len, args.dtype, args.admission_reserve_tokens,
+                                 args.kv_cache_dtype))
+    res = {}
+    for k, rs in rounds.items():
+        res[k] = dict(sorted(rs, key=lambda r: r["tok_s"])[len(rs) // 2])  # the median round's figures
+        res[k]["tok_s_rounds"] = [round(r["tok_s"], 1) for r in rs]
     print(f"{args.requests} requests (prompts 32-480 tokens, 16-192 new), KV cache {args.kv_cache_memory}, "
-          f"max_model_len {args.max_model_len}, {args.dtype}, admission reserve {args.admission_reserve_tokens} tokens")
+          f"max_model_len {args.max_model_len}, {args.dtype}, KV {res['paged']['kv_cache_dtype']}, "
+          f"admission reserve {args.admission_reserve_tokens} tokens, {args.rounds} round(s)")
     print(f"{'':12s} {'max concurrent':>15s} {'mean concurrent':>16s} {'tok/s':>8s} {'preemptions':>12s} "
           f"{'mean wasted MiB':>16s} {'peak wasted MiB':>16s}")
     for k, r in res.items():
         print(f"{k:12s} {r['max_concurrent']:15d} {r['mean_concurrent']:16.1f} {r['tok_s']:8.1f} "
-              f"{r['preemptions']:12d} {r['mean_wasted_mib']:16.2f} {r['peak_wasted_mib']:16.2f}")
+              f"{r['preemptions']:12d} {r['mean_wasted_mib']:16.2f} {r['peak_wasted_mib']:16.2f}"
+              + (f"   rounds {r['tok_s_rounds']}" if args.rounds > 1 else ""))
     p, c = res["paged"], res["contiguous"]
     print(f"paged / contiguous: max concurrent {p['max_concurrent'] / c['max_concurrent']:.2f}x, "
           f"throughput {p['tok_s'] / c['tok_s']:.2f}x")

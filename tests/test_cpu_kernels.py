@@ -183,10 +183,13 @@ def test_the_fused_norm_and_activation_are_pytorchs_arithmetic(m, k):
 
 
 @needs_kernels
-@pytest.mark.parametrize("seed", range(8))
-def test_the_decode_attention_kernel_matches_the_reference(seed):
+@pytest.mark.parametrize("seed, kv_dtype", [(s, torch.float32) for s in range(8)]
+                         + [(s, dt) for s in (0, 1, 4, 7) for dt in (torch.bfloat16, torch.float16)])
+def test_the_decode_attention_kernel_matches_the_reference(seed, kv_dtype):
     """Random scattered block tables, contexts, GQA ratios, head sizes and windows: the same
-    output as the reference backend, and the same K/V written into the same slots."""
+    output as the reference backend, and the same K/V written into the same slots. A 16-bit
+    cache (--kv-cache-dtype) holds the K/V rounded as torch's .to() rounds them, bit for bit,
+    and both attend over the values as stored."""
     import random
 
     from tailserve.attention.cpu_decode import CpuDecodeBackend, CpuDecodeMetadata
@@ -205,7 +208,7 @@ def test_the_decode_attention_kernel_matches_the_reference(seed):
     free = list(range(num_blocks))
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(-(-c // bs))] for c in ctxs]
-    cache = torch.randn(2, num_blocks, bs, kvh, d)
+    cache = torch.randn(2, num_blocks, bs, kvh, d).to(kv_dtype)
     q, k, v = torch.randn(t, h, d), torch.randn(t, kvh, d), torch.randn(t, kvh, d)
     backend = CpuDecodeBackend(bs, 8, 64, 256, window, torch.device("cpu"), kernels=KERNELS)
     meta = backend.build(qlens, ctxs, tables)
@@ -216,6 +219,14 @@ def test_the_decode_attention_kernel_matches_the_reference(seed):
     want = paged_attention(q, k, v, theirs, ref_meta, d ** -0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(ours, theirs)
+    if kv_dtype != torch.float32:  # what was written is the new K/V rounded to nearest-even
+        slots = meta.slot_mapping
+        assert torch.equal(ours[0].view(-1, kvh, d)[slots], k.to(kv_dtype))
+        assert torch.equal(ours[1].view(-1, kvh, d)[slots], v.to(kv_dtype))
+        # ... and the result is attention over those rounded values (float64 oracle).
+        wide = paged_attention(q.double(), k.to(kv_dtype).double(), v.to(kv_dtype).double(),
+                               cache.double(), ref_meta, d ** -0.5)
+        torch.testing.assert_close(got.double(), wide, rtol=1e-5, atol=1e-5)
     # From the fused projection's rows, rotated inside: RotaryEmbedding.apply's result.
     from tailserve.model.config import RopeConfig
     from tailserve.model.rope import RotaryEmbedding
@@ -313,9 +324,10 @@ def test_weights_that_are_not_exactly_bf16_keep_float32():
 
 
 @needs_kernels
-@pytest.mark.parametrize("kind, quantization", [("llama", None), ("mistral", None), ("llama", "int8"),
-                                                ("llama_tied", None)])
-def test_the_fused_decode_layer_is_the_per_operation_path(tmp_path, kind, quantization):
+@pytest.mark.parametrize("kind, quantization, kv", [("llama", None, "auto"), ("mistral", None, "auto"),
+                                                    ("llama", "int8", "auto"), ("llama_tied", None, "auto"),
+                                                    ("llama", None, "bfloat16"), ("mistral", None, "float16")])
+def test_the_fused_decode_layer_is_the_per_operation_path(tmp_path, kind, quantization, kv):
     """A bf16 checkpoint run in float32 over compact (or int8) weights: decode steps go
     through one compiled call per layer; its logits equal the per-operation path's (same
     kernels, returning to Python between them), decode and verification-sized steps, ragged
@@ -325,14 +337,17 @@ def test_the_fused_decode_layer_is_the_per_operation_path(tmp_path, kind, quanti
     from tailserve.attention.cpu_decode import CpuDecodeMetadata
 
     path = save_checkpoint(build_hf_model(kind), tmp_path / kind, dtype=torch.bfloat16)
-    kw = dict(dtype="float32", kv_cache_memory_bytes=2 << 20, block_size=4, quantization=quantization)
+    kw = dict(dtype="float32", kv_cache_memory_bytes=2 << 20, block_size=4, quantization=quantization,
+              kv_cache_dtype=kv)
     fused = LLM(str(path), **kw)
     worker = fused.engine.core.worker
     model = worker.model
     assert worker.num_fused_layers == len(model.layers) > 0
+    assert worker.kv_caches[0].dtype == (torch.float32 if kv == "auto" else getattr(torch, kv))
     g = torch.Generator().manual_seed(7)
     cfg = worker.arch
-    caches = [torch.randn(2, 12, 4, cfg.num_kv_heads, cfg.head_dim, generator=g) for _ in range(cfg.num_layers)]
+    caches = [torch.randn(2, 12, 4, cfg.num_kv_heads, cfg.head_dim, generator=g).to(worker.kv_caches[0].dtype)
+              for _ in range(cfg.num_layers)]
     for qlens, ctxs in (([1, 1, 1], [9, 17, 3]), ([4, 2], [11, 6]), ([1], [30])):
         # Scattered block tables over the 12 blocks of the caches.
         tables = [[(i * 3 + j) % 12 for j in range(-(-c // 4))] for i, c in enumerate(ctxs)]

@@ -195,3 +195,32 @@ def test_prefill_multiplies_natively_only_under_auto_on_a_cpu_with_native_bf16()
     assert auto512.native_large_batches and "prefill" in auto512.reason
     assert not plan_target(config(dtype="float32"), arch(), CPU, AVX512_KERNELS).model.linear.native_large_batches
     assert not plan_target(config(), arch(), CPU, AVX2_KERNELS).model.linear.native_large_batches
+
+
+@pytest.mark.parametrize("cfg, a, device, caps, want", [
+    # --dtype auto over a bf16 checkpoint on the CPU: float32 arithmetic, bf16 weights and K/V.
+    (config(), arch(), CPU, AVX2_KERNELS, torch.bfloat16),
+    (config(), arch(torch.float16), CPU, AVX512_KERNELS, torch.float16),
+    # An explicit float32 asks for float32 throughout; a float32 checkpoint is float32.
+    (config(dtype="float32"), arch(), CPU, AVX2_KERNELS, torch.float32),
+    (config(), arch(torch.float32), CPU, AVX2_KERNELS, torch.float32),
+    # Without the decode kernel (nothing would read a narrower cache any faster): the model's dtype.
+    (config(), arch(), CPU, NO_KERNELS, torch.float32),  # AVX2 without kernels: a float32 model
+    (config(attention_backend="torch"), arch(), CPU, AVX2_KERNELS, torch.float32),
+    (config(device="cuda"), arch(), CUDA, H200, torch.bfloat16),
+    # Chosen.
+    (config(kv_cache_dtype="float32"), arch(), CPU, AVX2_KERNELS, torch.float32),
+    (config(dtype="float32", kv_cache_dtype="bfloat16"), arch(), CPU, AVX2_KERNELS, torch.bfloat16),
+    (config(attention_backend="torch", kv_cache_dtype="float16"), arch(), CPU, AVX2_KERNELS, torch.float16),
+])
+def test_the_kv_cache_dtype(cfg, a, device, caps, want):
+    plan = plan_target(cfg, a, device, caps)
+    assert plan.kv_dtype == want
+    assert plan.describe()["kv_cache_dtype"].startswith(str(want).removeprefix("torch.") + " (")
+
+
+def test_a_kv_cache_dtype_the_kernels_cannot_read_is_a_config_error():
+    with pytest.raises(ConfigError, match="Triton attention kernel reads a KV cache of the model's dtype"):
+        plan_target(config(device="cuda", attention_backend="triton", kv_cache_dtype="float32"), arch(), CUDA, H200)
+    with pytest.raises(ConfigError, match="fp8 KV caches are not supported"):
+        config(kv_cache_dtype="fp8")

@@ -309,6 +309,7 @@ def test_gateway_metrics_mirror_the_load_gauges_under_vllm_names(server):
     text = httpx.get(server.url + "/metrics").text
     info = [line for line in text.splitlines() if line.startswith("vllm:cache_config_info{")]
     assert len(info) == 1 and 'block_size="16"' in info[0] and 'num_gpu_blocks="' in info[0]
+    assert 'cache_dtype="bfloat16"' in info[0] or 'cache_dtype="float32"' in info[0]
     # The request-phase histograms under vLLM's names: the same counts and sums as tailserve's,
     # bucket by bucket, and buckets fine enough for a sub-100 ms SLO.
     samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()

@@ -18,6 +18,7 @@ from tailserve.config import (
     DEFAULT_ADMISSION_RESERVE_TOKENS,
     DEFAULT_KV_CACHE_MEMORY_BYTES,
     DEFAULT_TOOL_CALL_KV_TTL_S,
+    KV_CACHE_DTYPES,
     parse_bytes,
 )
 from tailserve.errors import ConfigError, TailserveError
@@ -30,6 +31,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="the KV cache's element type: auto takes the model's dtype, and on the CPU the float32 model "
+                        "--dtype auto makes of a bf16/fp16 checkpoint stores K/V in the checkpoint's dtype (half "
+                        "the bytes of float32)")
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV-cache size in bytes; units allowed (e.g. 512MiB, 2GiB). Default: "
                         f"{DEFAULT_KV_CACHE_MEMORY_BYTES >> 20} MiB on the CPU; on CUDA what --gpu-memory-utilization "
@@ -119,7 +124,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
     return dict(
-        dtype=args.dtype, device=args.device, block_size=args.block_size,
+        dtype=args.dtype, device=args.device, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_memory_bytes=None if args.kv_cache_memory is None else parse_bytes(args.kv_cache_memory),
         max_num_seqs=args.max_num_seqs, admission_reserve_tokens=args.admission_reserve_tokens,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,

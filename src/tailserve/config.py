@@ -212,12 +212,20 @@ def parse_histogram_buckets(text: str) -> tuple[tuple[str, tuple[float, ...]], .
     return tuple(out)
 
 
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
     dtype: str = "auto"
     device: str = "cpu"
     block_size: int = 16
+    # The target's KV-cache element type (vLLM's --kv-cache-dtype): "auto" takes the model's
+    # dtype, except that the float32 CPU model --dtype auto makes over a bf16/fp16 checkpoint's
+    # compact weights stores its K/V in the checkpoint's dtype (what the model computes in natively; half the
+    # bytes); "bfloat16", "float16" or "float32" choose. The draft model keeps its own.
+    kv_cache_dtype: str = "auto"
     # KV-cache bytes (per rank). None: DEFAULT_KV_CACHE_MEMORY_BYTES on the CPU; on CUDA what
     # gpu_memory_utilization leaves after a profiling pass (memory/kv_sizing.py).
     kv_cache_memory_bytes: int | str | None = None
@@ -338,6 +346,9 @@ class EngineConfig:
         object.__setattr__(self, "model", str(self.model))
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+                              + (" (fp8 KV caches are not supported)" if "fp8" in str(self.kv_cache_dtype) else ""))
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"device must be cpu or cuda[:N], got {self.device!r}")
         tp = self.tensor_parallel_size

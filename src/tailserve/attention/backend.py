@@ -266,8 +266,8 @@ class StaticPagedDecodeMetadata(RopeOutsideKernel):
         kvh, bs = k.shape[1], buf.block_size
         k_cache = kv_cache[0].view(-1, kvh, d)
         v_cache = kv_cache[1].view(-1, kvh, d)
-        k_cache.index_copy_(0, buf.slot_mapping, k)
-        v_cache.index_copy_(0, buf.slot_mapping, v)
+        k_cache.index_copy_(0, buf.slot_mapping, k.to(kv_cache.dtype))
+        v_cache.index_copy_(0, buf.slot_mapping, v.to(kv_cache.dtype))
         offsets = torch.arange(bs, device=q.device)
         slots = (buf.block_tables.long()[:, :, None] * bs + offsets).view(b, -1)  # (B, C)
         c = slots.shape[1]

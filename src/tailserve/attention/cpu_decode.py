@@ -10,7 +10,8 @@ a 200-token context: ~230 us per layer through the reference's gather and SDPA, 
 microseconds here (docs/benchmarks.md). Longer prefill chunks use the reference backend's
 metadata and kernels, unchanged.
 
-Float32 caches only, head sizes that are multiples of 8 up to 512; the execution plan
+Float32, bf16 or fp16 caches (``--kv-cache-dtype``; 16-bit K/V widened in registers as they
+are read), head sizes that are multiples of 8 up to 512; the execution plan
 (engine/plan.py) picks this backend for ``--attention-backend auto`` on the CPU when the model
 is float32 and the kernels build.
 """

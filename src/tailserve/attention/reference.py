@@ -226,6 +226,11 @@ def paged_attention(
     kvh = k.shape[1]
     k_cache = kv_cache[0].view(-1, kvh, d)
     v_cache = kv_cache[1].view(-1, kvh, d)
+    if kv_cache.dtype != k.dtype:
+        # A KV cache narrower (or wider) than the model (--kv-cache-dtype): every reader, this
+        # step's own queries included, sees the K/V as stored, so a prompt attends the same
+        # values whether they come fresh or from the prefix cache.
+        k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     gqa = h != kvh
@@ -244,6 +249,8 @@ def paged_attention(
             vg = v_cache.index_select(0, slots)
         if upcast:
             qg, kg, vg = qg.float(), kg.float(), vg.float()
+        if kg.dtype != qg.dtype:
+            kg, vg = kg.to(qg.dtype), vg.to(qg.dtype)
         qg = qg.view(b, qlen, h, d).transpose(1, 2)  # (B, H, Q, D)
         kg = kg.view(b, -1, kvh, d).transpose(1, 2)  # (B, KVH, C, D)
         vg = vg.view(b, -1, kvh, d).transpose(1, 2)

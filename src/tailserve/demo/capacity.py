@@ -46,17 +46,19 @@ def mixed_workload(n: int, seed: int = 0, prompt_range: tuple[int, int] = (32, 4
 def bytes_per_token(llm: LLM) -> int:
     eng = llm.engine
     bs = eng.config.block_size
-    return kv_bytes_per_block(eng.arch, bs, eng.info.dtype) // bs
+    return kv_bytes_per_block(eng.arch, bs, eng.info.kv_cache_dtype or eng.info.dtype) // bs
 
 
 def run_capacity(kind: str, requests: list[tuple[list[int], int]], kv_bytes: int, max_len: int,
                  model: str | None = None, dtype: str = "auto",
-                 admission_reserve_tokens: int = DEFAULT_ADMISSION_RESERVE_TOKENS) -> dict[str, Any]:
+                 admission_reserve_tokens: int = DEFAULT_ADMISSION_RESERVE_TOKENS,
+                 kv_cache_dtype: str = "auto") -> dict[str, Any]:
     """Run every request to its end under ``kind`` ("paged" | "contiguous"): the most
     sequences running at once, their mean, output tokens/s, preemptions, and the KV bytes
     allocated but holding no token (mean and peak over steps)."""
     llm = LLM(model, dtype=dtype, kv_cache_memory_bytes=kv_bytes, max_model_len=max_len, enable_prefix_caching=False,
-              max_num_seqs=256, enable_metrics=False, admission_reserve_tokens=admission_reserve_tokens)
+              max_num_seqs=256, enable_metrics=False, admission_reserve_tokens=admission_reserve_tokens,
+              kv_cache_dtype=kv_cache_dtype)
     eng = llm.engine
     if kind == "contiguous":
         old = eng.core.scheduler
@@ -81,6 +83,7 @@ def run_capacity(kind: str, requests: list[tuple[list[int], int]], kv_bytes: int
     out = {"max_concurrent": max(running), "mean_concurrent": statistics.mean(running),
            "tok_s": generated / dt, "preemptions": eng.core.scheduler.num_preemptions,
            "mean_wasted_mib": statistics.mean(wasted) / 2**20, "peak_wasted_mib": max(wasted) / 2**20,
-           "num_blocks": eng.block_pool.num_blocks, "bytes_per_token": per_token, "seconds": dt}
+           "num_blocks": eng.block_pool.num_blocks, "bytes_per_token": per_token, "seconds": dt,
+           "kv_cache_dtype": str(eng.info.kv_cache_dtype or eng.info.dtype).removeprefix("torch.")}
     llm.shutdown()
     return out

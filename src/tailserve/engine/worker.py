@@ -147,6 +147,7 @@ class Worker:
                 raise
             raise ConfigError(f"tensor_parallel_size {tp.size} does not fit this model: {e}") from None
         self.dtype = self.model.embed_tokens.dtype
+        self.kv_dtype = plan.kv_dtype
         self.layer_ops = _layer_ops(plan.model, kernels)
         self.model.set_layer_ops(self.layer_ops)
         backend_args = (config.block_size, config.max_num_seqs, config.max_num_batched_tokens, max_len,
@@ -161,7 +162,7 @@ class Worker:
         # pads its batch with rows that write their K/V there, and so do a draft's ragged
         # catch-ups.
         self.num_blocks = self.determine_num_blocks()
-        self.kv_caches = allocate_kv_caches(self.arch, self.num_blocks + 1, config.block_size, self.dtype,
+        self.kv_caches = allocate_kv_caches(self.arch, self.num_blocks + 1, config.block_size, self.kv_dtype,
                                             device, tp)
 
         # 4. Build, each object whole: the sampler, the proposer (which shares the sampler's
@@ -183,6 +184,7 @@ class Worker:
         self.info = WorkerInfo(
             arch=self.arch, model_dir=self.model_dir, max_model_len=max_len, num_blocks=self.num_blocks,
             block_size=config.block_size, kv_bytes_per_block=self.kv_bytes_per_block, dtype=self.dtype,
+            kv_cache_dtype=self.kv_dtype,
             dtype_reason=self.dtype_reason, device=device, allocator_settings=self.allocator_settings,
             memory_profile=self.memory_profile, decode_graph_sizes=tuple(sorted(self.runner.decode_graphs)),
             graph_capture_s=self.graph_capture_s, has_proposer=proposer is not None, plan=plan,
@@ -197,7 +199,7 @@ class Worker:
     def kv_bytes_per_block(self) -> int:
         """Both models' K/V for one block id on this rank (its KV heads of the target; the
         draft model is whole on every rank): one block id addresses both caches."""
-        per_block = kv_bytes_per_block(self.arch, self.config.block_size, self.dtype, self.tp)
+        per_block = kv_bytes_per_block(self.arch, self.config.block_size, self.kv_dtype, self.tp)
         if self.draft_plan is not None:
             per_block += kv_bytes_per_block(self.draft_plan.arch, self.config.block_size, self.draft_plan.dtype)
         return per_block
@@ -242,7 +244,7 @@ class Worker:
             nb = -(-n // bs)
             tables.append(list(range(first, first + nb)))
             first += nb
-        caches = allocate_kv_caches(self.arch, first, bs, self.dtype, self.device, self.tp)
+        caches = allocate_kv_caches(self.arch, first, bs, self.kv_dtype, self.device, self.tp)
         meta = self.attn_backend.build(lens, lens, tables)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
         hidden = self.model(torch.zeros(len(positions), dtype=torch.long, device=self.device), positions, caches, meta)

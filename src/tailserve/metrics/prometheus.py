@@ -99,10 +99,10 @@ class _GatewayCollector:
     adapters, and the pickers treat its absence as no adapters."""
 
     def __init__(self, metrics: PrometheusMetrics, block_size: int, num_blocks: int,
-                 enable_prefix_caching: bool) -> None:
+                 enable_prefix_caching: bool, cache_dtype: str = "auto") -> None:
         self.metrics = metrics
         self.cache_labels = {"block_size": str(block_size), "num_gpu_blocks": str(num_blocks),
-                             "enable_prefix_caching": str(enable_prefix_caching)}
+                             "enable_prefix_caching": str(enable_prefix_caching), "cache_dtype": cache_dtype}
 
     def collect(self):
         for name, (key, doc) in GATEWAY_GAUGES.items():
@@ -353,9 +353,11 @@ class PrometheusMetrics:
         for gap in rm.itl_s:
             self._c["itl"].observe(gap)
 
-    def enable_gateway_metrics(self, block_size: int, num_blocks: int, enable_prefix_caching: bool) -> None:
-        """Also export the gauges inference gateways read, under vLLM's names."""
-        self.registry.register(_GatewayCollector(self, block_size, num_blocks, enable_prefix_caching))
+    def enable_gateway_metrics(self, block_size: int, num_blocks: int, enable_prefix_caching: bool,
+                               cache_dtype: str = "auto") -> None:
+        """Also export the gauges inference gateways read, under vLLM's names. ``cache_dtype``:
+        the KV cache's element type as resolved (vLLM's label shows the flag's value)."""
+        self.registry.register(_GatewayCollector(self, block_size, num_blocks, enable_prefix_caching, cache_dtype))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tailserve.attention.backend import LayerAttentionMetadata
-from tailserve.kernels.cpu import WEIGHT_FORMATS, LayerStruct
+from tailserve.kernels.cpu import KV_FORMATS, WEIGHT_FORMATS, LayerStruct
 from tailserve.model.config import ModelArchConfig
 from tailserve.model.linear import (
     SINGLE,
@@ -112,9 +112,10 @@ class FusedDecodeLayer:
         out = torch.empty_like(h)
         cos, sin = rope
         k_ptr = kv_cache.data_ptr()
+        step.kv_fmt = KV_FORMATS[kv_cache.dtype]  # float32, bf16 or fp16 (the plan's kv_cache_dtype)
         self.kernels.decode_layer(self.struct, step, h.data_ptr(), 0 if residual is None else x.data_ptr(),
                                   out.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_ptr,
-                                  k_ptr + kv_cache.stride(0) * 4)
+                                  k_ptr + kv_cache.stride(0) * kv_cache.element_size())
         return out, h
 
 

@@ -51,10 +51,12 @@ class StepStruct(ctypes.Structure):
 
     _fields_ = [("block_tables", ctypes.c_void_p), ("bt_stride", ctypes.c_long), ("seq_lens", ctypes.c_void_p),
                 ("slots", ctypes.c_void_p)] + [(n, ctypes.c_long) for n in ("M", "block_size", "window", "max_ctx")] \
-        + [("threads", ctypes.c_int)]
+        + [("threads", ctypes.c_int), ("kv_fmt", ctypes.c_int)]
 
 
 WEIGHT_FORMATS = {torch.bfloat16: 0, torch.float16: 1, torch.int8: 2}
+# The KV cache formats the decode attention reads (widened to float32 in registers).
+KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 class CpuKernels:
@@ -78,11 +80,12 @@ class CpuKernels:
         self._silu_mul.restype = None
         self._attn = lib.tailserve_paged_decode_attention
         self._attn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] + [ctypes.c_void_p] * 3 \
-            + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_long, ctypes.c_long, ctypes.c_int]
+            + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_int]
         self._attn.restype = None
         self._rope_attn = lib.tailserve_rope_paged_decode_attention
         self._rope_attn.argtypes = [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 5 + [ctypes.c_long] \
-            + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_long, ctypes.c_long, ctypes.c_int]
+            + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_long, ctypes.c_long, ctypes.c_int,
+                                                              ctypes.c_int]
         self._rope_attn.restype = None
         self.decode_layer = lib.tailserve_decode_layer
         self.decode_layer.argtypes = [ctypes.POINTER(LayerStruct), ctypes.POINTER(StepStruct)] + [ctypes.c_void_p] * 7
@@ -165,17 +168,29 @@ class CpuKernels:
     def paged_decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor, scale: float,
                                window: int | None, max_ctx: int) -> torch.Tensor:
-        """One query per sequence: q (B, H, D), k/v (B, KVH, D) written into ``kv_cache``
-        (2, num_blocks, block_size, KVH, D) float32 at ``slots`` (B,) int64; block_tables
-        (B, W) int32, seq_lens (B,) int32 (context after this token). Returns (B, H*D)."""
+        """One query per sequence: q (B, H, D), k/v (B, KVH, D) float32, written into ``kv_cache``
+        (2, num_blocks, block_size, KVH, D) contiguous, float32, bf16 or fp16 (``KV_FORMATS``;
+        a 16-bit cache stores them rounded to nearest-even) at ``slots`` (B,) int64;
+        block_tables (B, W) int32, seq_lens (B,) int32 (context after this token). Returns (B, H*D)."""
         b, h, d = q.shape
         kvh, bs = k.shape[1], kv_cache.shape[2]
+        fmt = self._kv_format(kv_cache)
         out = torch.empty((b, h * d), dtype=torch.float32)
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        self._attn(q.data_ptr(), k.data_ptr(), v.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+        q, k, v = q.float().contiguous(), k.float().contiguous(), v.float().contiguous()
+        k_ptr = kv_cache.data_ptr()
+        v_ptr = k_ptr + kv_cache.stride(0) * kv_cache.element_size()
+        self._attn(q.data_ptr(), k.data_ptr(), v.data_ptr(), k_ptr, v_ptr,
                    block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), slots.data_ptr(),
-                   out.data_ptr(), b, h, kvh, d, bs, scale, window or 0, max_ctx, torch.get_num_threads())
+                   out.data_ptr(), b, h, kvh, d, bs, scale, window or 0, max_ctx, fmt, torch.get_num_threads())
         return out
+
+    @staticmethod
+    def _kv_format(kv_cache: torch.Tensor) -> int:
+        fmt = KV_FORMATS.get(kv_cache.dtype)
+        if fmt is None or not kv_cache.is_contiguous():
+            raise ValueError(f"the CPU decode attention reads a contiguous float32, bf16 or fp16 KV cache, "
+                             f"not {kv_cache.dtype}")
+        return fmt
 
     def rope_paged_decode_attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, h: int, kvh: int,
                                     kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -187,18 +202,18 @@ class CpuKernels:
         b = qkv.shape[0]
         d = cos.shape[-1]
         if qkv.stride(1) != 1 or qkv.dtype != torch.float32 or qkv.shape[1] != (h + 2 * kvh) * d \
-                or cos.numel() != b * d or not kv_cache.is_contiguous() or kv_cache.dtype != torch.float32:
-            raise ValueError("rope_paged_decode_attention takes float32 (B, (H + 2 KVH) * D) rows, (B, D) "
-                             "tables and a contiguous float32 cache")
+                or cos.numel() != b * d:
+            raise ValueError("rope_paged_decode_attention takes float32 (B, (H + 2 KVH) * D) rows and (B, D) tables")
+        fmt = self._kv_format(kv_cache)
         if not (cos.is_contiguous() and sin.is_contiguous()):
             cos, sin = cos.contiguous(), sin.contiguous()
         out = torch.empty((b, h * d), dtype=torch.float32)
         k_ptr = kv_cache.data_ptr()  # (2, ...) contiguous: the V half starts stride(0) elements on
         self._rope_attn(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), k_ptr,
-                        k_ptr + kv_cache.stride(0) * 4, block_tables.data_ptr(), block_tables.stride(0),
-                        seq_lens.data_ptr(),
+                        k_ptr + kv_cache.stride(0) * kv_cache.element_size(), block_tables.data_ptr(),
+                        block_tables.stride(0), seq_lens.data_ptr(),
                         slots.data_ptr(), out.data_ptr(), b, h, kvh, d, kv_cache.shape[2], scale, window or 0,
-                        max_ctx, torch.get_num_threads())
+                        max_ctx, fmt, torch.get_num_threads())
         return out
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

@@ -212,23 +212,60 @@ void tailserve_silu_mul(const float* gu, float* out, long M, long I) {
  * every query head that shares that KV head (GQA: heads h with h / (H / KVH) == kvh) scores
  * against each cached key of the sequence (block table order, each K and V row read once for
  * the whole group), softmax in float32, and the weighted sum of values. A window > 0 keeps
- * the last `window` positions. D must be a multiple of 8. Caches are float32
- * (num_slots, KVH, D) with slot = block * block_size + offset. */
-static void attend_paged(const float* q, const float* k_cache, const float* v_cache, const int32_t* block_tables,
-                         long bt_stride, const int32_t* seq_lens, float* out, long B, long H, long KVH, long D,
-                         long block_size, float scale, long window, long max_ctx, int threads);
+ * the last `window` positions. D must be a multiple of 8. Caches are (num_slots, KVH, D) with
+ * slot = block * block_size + offset, in one of three formats (kv_fmt): 0 float32, 1 bf16,
+ * 2 fp16. A 16-bit cache stores each K/V rounded to nearest-even (torch's .to() rounding) and
+ * is widened to float32 in registers as it is read: half the bytes of every step's context
+ * reads, which past a few tens of MB of KV are what a long-context decode step waits on. */
+#define KV_F32 0
+#define KV_BF16 1
+#define KV_F16 2
 
-void tailserve_paged_decode_attention(const float* q, const float* k_new, const float* v_new, float* k_cache,
-                                      float* v_cache, const int32_t* block_tables, long bt_stride,
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);  /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* n floats into the cache at element offset `off`, in its format. */
+static void store_kv(void* cache, long off, const float* src, long n, int fmt) {
+    if (fmt == KV_F32) { memcpy((float*)cache + off, src, n * sizeof(float)); return; }
+    uint16_t* d = (uint16_t*)cache + off;
+    long i = 0;
+    if (fmt == KV_BF16) {
+        for (; i < n; i++) d[i] = f32_to_bf16(src[i]);
+        return;
+    }
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i*)(d + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++) d[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
+}
+
+/* 8 cache elements from element offset `idx`, widened to float32. Inlined where `fmt` is a
+ * constant, so each format's loops carry no branch. */
+static inline __attribute__((always_inline)) __m256 load_kv(const void* base, long idx, int fmt) {
+    if (fmt == KV_F32) return _mm256_loadu_ps((const float*)base + idx);
+    if (fmt == KV_BF16) return widen_bf16((const uint16_t*)base + idx);
+    return widen_f16((const uint16_t*)base + idx);
+}
+
+static void attend_paged(const float* q, const void* k_cache, const void* v_cache, const int32_t* block_tables,
+                         long bt_stride, const int32_t* seq_lens, float* out, long B, long H, long KVH, long D,
+                         long block_size, float scale, long window, long max_ctx, int kv_fmt, int threads);
+
+void tailserve_paged_decode_attention(const float* q, const float* k_new, const float* v_new, void* k_cache,
+                                      void* v_cache, const int32_t* block_tables, long bt_stride,
                                       const int32_t* seq_lens, const int64_t* slots, float* out, long B, long H,
                                       long KVH, long D, long block_size, float scale, long window, long max_ctx,
-                                      int threads) {
+                                      int kv_fmt, int threads) {
     for (long b = 0; b < B; b++) {
-        memcpy(k_cache + slots[b] * KVH * D, k_new + b * KVH * D, KVH * D * sizeof(float));
-        memcpy(v_cache + slots[b] * KVH * D, v_new + b * KVH * D, KVH * D * sizeof(float));
+        store_kv(k_cache, slots[b] * KVH * D, k_new + b * KVH * D, KVH * D, kv_fmt);
+        store_kv(v_cache, slots[b] * KVH * D, v_new + b * KVH * D, KVH * D, kv_fmt);
     }
     attend_paged(q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, B, H, KVH, D, block_size, scale,
-                 window, max_ctx, threads);
+                 window, max_ctx, kv_fmt, threads);
 }
 
 /* The same, straight from the fused QKV projection's rows (qkv: B rows of (H + 2 KVH) * D at
@@ -236,11 +273,12 @@ void tailserve_paged_decode_attention(const float* q, const float* k_new, const 
  * RotaryEmbedding.apply), the rotated k and v written into their slots, then attention. One
  * call where PyTorch ran a slice, a concatenation, two products and a sum per layer. */
 void tailserve_rope_paged_decode_attention(const float* qkv, long qkv_stride, const float* cos, const float* sin,
-                                           float* k_cache, float* v_cache, const int32_t* block_tables,
+                                           void* k_cache, void* v_cache, const int32_t* block_tables,
                                            long bt_stride, const int32_t* seq_lens, const int64_t* slots,
                                            float* out, long B, long H, long KVH, long D, long block_size,
-                                           float scale, long window, long max_ctx, int threads) {
-    float* q = (float*)malloc(sizeof(float) * B * H * D);
+                                           float scale, long window, long max_ctx, int kv_fmt, int threads) {
+    float* q = (float*)malloc(sizeof(float) * (B * H * D + KVH * D));
+    float* k_row = q + B * H * D;  /* one row's rotated keys, before they are stored */
     long half = D / 2;
     for (long b = 0; b < B; b++) {
         const float* row = qkv + b * qkv_stride;
@@ -248,134 +286,189 @@ void tailserve_rope_paged_decode_attention(const float* qkv, long qkv_stride, co
         const float* sn = sin + b * D;
         for (long h = 0; h < H + KVH; h++) {
             const float* x = row + h * D;
-            float* o = h < H ? q + (b * H + h) * D : k_cache + slots[b] * KVH * D + (h - H) * D;
+            float* o = h < H ? q + (b * H + h) * D : k_row + (h - H) * D;
             for (long i = 0; i < half; i++) {
                 float x1 = x[i], x2 = x[i + half];
                 o[i] = x1 * c[i] + (-x2) * sn[i];
                 o[i + half] = x2 * c[i + half] + x1 * sn[i + half];
             }
         }
-        memcpy(v_cache + slots[b] * KVH * D, row + (H + KVH) * D, KVH * D * sizeof(float));
+        store_kv(k_cache, slots[b] * KVH * D, k_row, KVH * D, kv_fmt);
+        store_kv(v_cache, slots[b] * KVH * D, row + (H + KVH) * D, KVH * D, kv_fmt);
     }
     attend_paged(q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, B, H, KVH, D, block_size, scale,
-                 window, max_ctx, threads);
+                 window, max_ctx, kv_fmt, threads);
     free(q);
 }
 
-static void attend_paged(const float* q, const float* k_cache, const float* v_cache, const int32_t* block_tables,
+/* out[head] += sum over positions pos0..stop-1 (rows off0.. of one cache block at element
+ * offset vb, rows `stride` apart) of p[head][pos] * V[pos], for the G heads of one group. */
+static inline __attribute__((always_inline)) void weigh_values(
+        const void* v, long vb, long stride, const float* p, float* out, long H, long D, long max_ctx, long start,
+        long b, long kvh, long G, long pos0, long off0, long stop, const int fmt) {
+    for (long g = 0; g < G; g++) {
+        const float* pg = p + g * (max_ctx + 8) - start;
+        float* o = out + (b * H + kvh * G + g) * D;
+        long d0 = 0;
+        for (; d0 + 64 <= D; d0 += 64) {
+            float* od = o + d0;
+            __m256 a0 = _mm256_loadu_ps(od), a1 = _mm256_loadu_ps(od + 8);
+            __m256 a2 = _mm256_loadu_ps(od + 16), a3 = _mm256_loadu_ps(od + 24);
+            __m256 a4 = _mm256_loadu_ps(od + 32), a5 = _mm256_loadu_ps(od + 40);
+            __m256 a6 = _mm256_loadu_ps(od + 48), a7 = _mm256_loadu_ps(od + 56);
+            for (long pos = pos0, off = off0; pos < stop; pos++, off++) {
+                long vv = vb + off * stride + d0;
+                __m256 pj = _mm256_set1_ps(pg[pos]);
+                a0 = _mm256_fmadd_ps(pj, load_kv(v, vv, fmt), a0);
+                a1 = _mm256_fmadd_ps(pj, load_kv(v, vv + 8, fmt), a1);
+                a2 = _mm256_fmadd_ps(pj, load_kv(v, vv + 16, fmt), a2);
+                a3 = _mm256_fmadd_ps(pj, load_kv(v, vv + 24, fmt), a3);
+                a4 = _mm256_fmadd_ps(pj, load_kv(v, vv + 32, fmt), a4);
+                a5 = _mm256_fmadd_ps(pj, load_kv(v, vv + 40, fmt), a5);
+                a6 = _mm256_fmadd_ps(pj, load_kv(v, vv + 48, fmt), a6);
+                a7 = _mm256_fmadd_ps(pj, load_kv(v, vv + 56, fmt), a7);
+            }
+            _mm256_storeu_ps(od, a0); _mm256_storeu_ps(od + 8, a1);
+            _mm256_storeu_ps(od + 16, a2); _mm256_storeu_ps(od + 24, a3);
+            _mm256_storeu_ps(od + 32, a4); _mm256_storeu_ps(od + 40, a5);
+            _mm256_storeu_ps(od + 48, a6); _mm256_storeu_ps(od + 56, a7);
+        }
+        for (; d0 < D; d0 += 8) {  /* a last slice narrower than 64 (D = 96, 80, ...) */
+            __m256 a = _mm256_loadu_ps(o + d0);
+            for (long pos = pos0, off = off0; pos < stop; pos++, off++)
+                a = _mm256_fmadd_ps(_mm256_set1_ps(pg[pos]), load_kv(v, vb + off * stride + d0, fmt), a);
+            _mm256_storeu_ps(o + d0, a);
+        }
+    }
+}
+
+/* One (sequence, KV head) of attend_paged; p: G x (max_ctx + 8) scores, mx: G floats, vw:
+ * block_size x D floats of scratch. */
+static inline __attribute__((always_inline)) void attend_item(
+        const float* q, const void* k_cache, const void* v_cache, const int32_t* block_tables, long bt_stride,
+        const int32_t* seq_lens, float* out, long H, long KVH, long D, long block_size, float scale, long window,
+        long max_ctx, long b, long kvh, float* p, float* mx, float* vw, const int fmt) {
+    long G = H / KVH, stride = KVH * D;
+    long ctx = seq_lens[b];
+    long start = window > 0 && ctx > window ? ctx - window : 0;
+    long n = ctx - start;
+    const float* qg = q + (b * H + kvh * G) * D;  /* the group's G query heads, contiguous */
+    const int32_t* table = block_tables + b * bt_stride;
+    for (long g = 0; g < G; g++) mx[g] = -INFINITY;
+    /* Scores: walk the block table block by block (no division per position). */
+    for (long j = start; j < ctx;) {
+        long blk = j / block_size, off = j - blk * block_size;
+        long stop = (blk + 1) * block_size < ctx ? (blk + 1) * block_size : ctx;
+        long kb = ((long)table[blk] * block_size * KVH + kvh) * D;  /* element offset of the block's row */
+        for (; j < stop; j++, off++) {
+            long kv = kb + off * stride;
+            __m256 kr[8];  /* the key row widened once for every head of the group (D <= 64) */
+            int cached = D <= 64;
+            if (cached)
+                for (long d = 0; d < D; d += 8) kr[d / 8] = load_kv(k_cache, kv + d, fmt);
+            for (long g = 0; g < G; g++) {
+                const float* qv = qg + g * D;
+                __m256 c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps();
+                long d = 0;
+                if (cached) {
+                    for (; d + 16 <= D; d += 16) {
+                        c0 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), kr[d / 8], c0);
+                        c1 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d + 8), kr[d / 8 + 1], c1);
+                    }
+                    if (d < D) c0 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), kr[d / 8], c0);
+                } else {
+                    for (; d + 16 <= D; d += 16) {
+                        c0 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), load_kv(k_cache, kv + d, fmt), c0);
+                        c1 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d + 8), load_kv(k_cache, kv + d + 8, fmt), c1);
+                    }
+                    if (d < D) c0 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), load_kv(k_cache, kv + d, fmt), c0);
+                }
+                float sc = hsum8(_mm256_add_ps(c0, c1)) * scale;
+                p[g * (max_ctx + 8) + j - start] = sc;
+                if (sc > mx[g]) mx[g] = sc;
+            }
+        }
+    }
+    for (long g = 0; g < G; g++) {  /* softmax numerators and sums, per head */
+        float* pg = p + g * (max_ctx + 8);
+        __m256 mv = _mm256_set1_ps(mx[g]), sv = _mm256_setzero_ps();
+        long j = 0;
+        for (; j + 8 <= n; j += 8) {
+            __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(pg + j), mv));
+            _mm256_storeu_ps(pg + j, e);
+            sv = _mm256_add_ps(sv, e);
+        }
+        float sum = hsum8(sv);
+        for (; j < n; j++) { pg[j] = expf(pg[j] - mx[g]); sum += pg[j]; }
+        mx[g] = 1.0f / sum;  /* reused: the normaliser */
+    }
+    /* Weighted values, one cache block at a time: the block's value rows (block_size x D)
+     * stay in L1 while every head of the group and every 64-wide slice of D takes its
+     * sum over them in eight register accumulators, added to the output once per block.
+     * (Per position through memory, or head by head over the whole context, this loop
+     * ran 4x slower: a store-to-load chain, or value rows re-read from L3.) */
+    for (long g = 0; g < G; g++) {
+        float* o = out + (b * H + kvh * G + g) * D;
+        for (long d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
+    }
+    for (long pos0 = start; pos0 < ctx;) {
+        long blk = pos0 / block_size, off0 = pos0 - blk * block_size;
+        long stop = (blk + 1) * block_size < ctx ? (blk + 1) * block_size : ctx;
+        long vb = ((long)table[blk] * block_size * KVH + kvh) * D;
+        if (fmt != KV_F32 && G > 1) {
+            /* A 16-bit block is widened once into vw (rows of D floats) for all G heads,
+             * not once per head. */
+            for (long off = off0; off < stop - pos0 + off0; off++)
+                for (long d = 0; d < D; d += 8)
+                    _mm256_storeu_ps(vw + off * D + d, load_kv(v_cache, vb + off * stride + d, fmt));
+            weigh_values(vw, 0, D, p, out, H, D, max_ctx, start, b, kvh, G, pos0, off0, stop, KV_F32);
+        } else {
+            weigh_values(v_cache, vb, stride, p, out, H, D, max_ctx, start, b, kvh, G, pos0, off0, stop, fmt);
+        }
+        pos0 = stop;
+    }
+    for (long g = 0; g < G; g++) {
+        float* o = out + (b * H + kvh * G + g) * D;
+        __m256 inv = _mm256_set1_ps(mx[g]);
+        for (long d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), inv));
+    }
+}
+
+#define DEFINE_ATTEND_ITEM(NAME, FMT)                                                                        \
+static void NAME(const float* q, const void* k_cache, const void* v_cache, const int32_t* block_tables,       \
+                 long bt_stride, const int32_t* seq_lens, float* out, long H, long KVH, long D, long block_size, \
+                 float scale, long window, long max_ctx, long b, long kvh, float* p, float* mx, float* vw) {  \
+    attend_item(q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, H, KVH, D, block_size, scale,    \
+                window, max_ctx, b, kvh, p, mx, vw, FMT);                                                    \
+}
+DEFINE_ATTEND_ITEM(attend_item_f32, KV_F32)
+DEFINE_ATTEND_ITEM(attend_item_bf16, KV_BF16)
+DEFINE_ATTEND_ITEM(attend_item_f16, KV_F16)
+
+static void attend_paged(const float* q, const void* k_cache, const void* v_cache, const int32_t* block_tables,
                          long bt_stride, const int32_t* seq_lens, float* out, long B, long H, long KVH, long D,
-                         long block_size, float scale, long window, long max_ctx, int threads) {
-    long G = H / KVH, work = B * KVH, stride = KVH * D;
+                         long block_size, float scale, long window, long max_ctx, int kv_fmt, int threads) {
+    long G = H / KVH, work = B * KVH;
     int nt = work * G * max_ctx * D < (1L << 16) ? 1 : threads;  /* small steps: no thread wake-up */
+    void (*item)(const float*, const void*, const void*, const int32_t*, long, const int32_t*, float*, long, long,
+                 long, long, float, long, long, long, long, float*, float*, float*) =
+        kv_fmt == KV_BF16 ? attend_item_bf16 : kv_fmt == KV_F16 ? attend_item_f16 : attend_item_f32;
     _Pragma("omp parallel num_threads(nt)")
     {
         float* p = (float*)malloc((size_t)G * (max_ctx + 8) * sizeof(float));
         float* mx = (float*)malloc((size_t)G * sizeof(float));
+        float* vw = (float*)malloc((size_t)block_size * D * sizeof(float));
         _Pragma("omp for schedule(static)")
-        for (long i = 0; i < work; i++) {
-            long b = i / KVH, kvh = i % KVH;
-            long ctx = seq_lens[b];
-            long start = window > 0 && ctx > window ? ctx - window : 0;
-            long n = ctx - start;
-            const float* qg = q + (b * H + kvh * G) * D;  /* the group's G query heads, contiguous */
-            const int32_t* table = block_tables + b * bt_stride;
-            for (long g = 0; g < G; g++) mx[g] = -INFINITY;
-            /* Scores: walk the block table block by block (no division per position). */
-            for (long j = start; j < ctx;) {
-                long blk = j / block_size, off = j - blk * block_size;
-                long stop = (blk + 1) * block_size < ctx ? (blk + 1) * block_size : ctx;
-                const float* kb = k_cache + ((long)table[blk] * block_size * KVH + kvh) * D;
-                for (; j < stop; j++, off++) {
-                    const float* kv = kb + off * stride;
-                    for (long g = 0; g < G; g++) {
-                        const float* qv = qg + g * D;
-                        __m256 c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps();
-                        long d = 0;
-                        for (; d + 16 <= D; d += 16) {
-                            c0 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(kv + d), c0);
-                            c1 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d + 8), _mm256_loadu_ps(kv + d + 8), c1);
-                        }
-                        if (d < D) c0 = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(kv + d), c0);
-                        float sc = hsum8(_mm256_add_ps(c0, c1)) * scale;
-                        p[g * (max_ctx + 8) + j - start] = sc;
-                        if (sc > mx[g]) mx[g] = sc;
-                    }
-                }
-            }
-            for (long g = 0; g < G; g++) {  /* softmax numerators and sums, per head */
-                float* pg = p + g * (max_ctx + 8);
-                __m256 mv = _mm256_set1_ps(mx[g]), sv = _mm256_setzero_ps();
-                long j = 0;
-                for (; j + 8 <= n; j += 8) {
-                    __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(pg + j), mv));
-                    _mm256_storeu_ps(pg + j, e);
-                    sv = _mm256_add_ps(sv, e);
-                }
-                float sum = hsum8(sv);
-                for (; j < n; j++) { pg[j] = expf(pg[j] - mx[g]); sum += pg[j]; }
-                mx[g] = 1.0f / sum;  /* reused: the normaliser */
-            }
-            /* Weighted values, one cache block at a time: the block's value rows (block_size x D)
-             * stay in L1 while every head of the group and every 64-wide slice of D takes its
-             * sum over them in eight register accumulators, added to the output once per block.
-             * (Per position through memory, or head by head over the whole context, this loop
-             * ran 4x slower: a store-to-load chain, or value rows re-read from L3.) */
-            for (long g = 0; g < G; g++) {
-                float* o = out + (b * H + kvh * G + g) * D;
-                for (long d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
-            }
-            for (long pos0 = start; pos0 < ctx;) {
-                long blk = pos0 / block_size, off0 = pos0 - blk * block_size;
-                long stop = (blk + 1) * block_size < ctx ? (blk + 1) * block_size : ctx;
-                const float* vb = v_cache + ((long)table[blk] * block_size * KVH + kvh) * D;
-                for (long g = 0; g < G; g++) {
-                    const float* pg = p + g * (max_ctx + 8) - start;
-                    float* o = out + (b * H + kvh * G + g) * D;
-                    long d0 = 0;
-                    for (; d0 + 64 <= D; d0 += 64) {
-                        float* od = o + d0;
-                        __m256 a0 = _mm256_loadu_ps(od), a1 = _mm256_loadu_ps(od + 8);
-                        __m256 a2 = _mm256_loadu_ps(od + 16), a3 = _mm256_loadu_ps(od + 24);
-                        __m256 a4 = _mm256_loadu_ps(od + 32), a5 = _mm256_loadu_ps(od + 40);
-                        __m256 a6 = _mm256_loadu_ps(od + 48), a7 = _mm256_loadu_ps(od + 56);
-                        for (long pos = pos0, off = off0; pos < stop; pos++, off++) {
-                            const float* vv = vb + off * stride + d0;
-                            __m256 pj = _mm256_set1_ps(pg[pos]);
-                            a0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vv), a0);
-                            a1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vv + 8), a1);
-                            a2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vv + 16), a2);
-                            a3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vv + 24), a3);
-                            a4 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vv + 32), a4);
-                            a5 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vv + 40), a5);
-                            a6 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vv + 48), a6);
-                            a7 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vv + 56), a7);
-                        }
-                        _mm256_storeu_ps(od, a0); _mm256_storeu_ps(od + 8, a1);
-                        _mm256_storeu_ps(od + 16, a2); _mm256_storeu_ps(od + 24, a3);
-                        _mm256_storeu_ps(od + 32, a4); _mm256_storeu_ps(od + 40, a5);
-                        _mm256_storeu_ps(od + 48, a6); _mm256_storeu_ps(od + 56, a7);
-                    }
-                    for (; d0 < D; d0 += 8) {  /* a last slice narrower than 64 (D = 96, 80, ...) */
-                        __m256 a = _mm256_loadu_ps(o + d0);
-                        for (long pos = pos0, off = off0; pos < stop; pos++, off++)
-                            a = _mm256_fmadd_ps(_mm256_set1_ps(pg[pos]), _mm256_loadu_ps(vb + off * stride + d0), a);
-                        _mm256_storeu_ps(o + d0, a);
-                    }
-                }
-                pos0 = stop;
-            }
-            for (long g = 0; g < G; g++) {
-                float* o = out + (b * H + kvh * G + g) * D;
-                __m256 inv = _mm256_set1_ps(mx[g]);
-                for (long d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), inv));
-            }
-        }
+        for (long i = 0; i < work; i++)
+            item(q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, H, KVH, D, block_size, scale, window,
+                 max_ctx, i / KVH, i % KVH, p, mx, vw);
+        free(vw);
         free(mx);
         free(p);
     }
 }
 
-int tailserve_kernels_abi(void) { return 3; }
+int tailserve_kernels_abi(void) { return 4; }
 
 /* ---- Sampling: each row's top-k / top-p cut-off logit, without sorting the vocabulary ----
  *
@@ -587,6 +680,7 @@ typedef struct {
     const int64_t* slots;
     long M, block_size, window, max_ctx;
     int threads;
+    int kv_fmt;  /* the KV cache's format: 0 float32, 1 bf16, 2 fp16 */
 } tailserve_step;
 
 static void gemm_fmt(int fmt, const float* x, const void* w, const float* s, float* y, long M, long N, long K,
@@ -599,7 +693,7 @@ static void gemm_fmt(int fmt, const float* x, const void* w, const float* s, flo
 /* h (M, E): the residual stream, updated in place; x: the previous layer's output (M, E), or
  * NULL at the first layer (h then holds the embedding); out (M, E): this layer's output. */
 void tailserve_decode_layer(const tailserve_layer* L, const tailserve_step* S, float* h, const float* x,
-                            float* out, const float* cos, const float* sin, float* k_cache, float* v_cache) {
+                            float* out, const float* cos, const float* sin, void* k_cache, void* v_cache) {
     long M = S->M, E = L->E, H = L->H, KVH = L->KVH, D = L->D, I = L->I;
     long nqkv = (H + 2 * KVH) * D;
     int nt = S->threads;
@@ -609,7 +703,7 @@ void tailserve_decode_layer(const tailserve_layer* L, const tailserve_step* S, f
     gemm_fmt(L->fmt, a, L->w_qkv, L->s_qkv, qkv, M, nqkv, E, nt);
     tailserve_rope_paged_decode_attention(qkv, nqkv, cos, sin, k_cache, v_cache, S->block_tables, S->bt_stride,
                                           S->seq_lens, S->slots, att, M, H, KVH, D, S->block_size, L->scale,
-                                          S->window, S->max_ctx, nt);
+                                          S->window, S->max_ctx, S->kv_fmt, nt);
     gemm_fmt(L->fmt, att, L->w_o, L->s_o, out, M, E, H * D, nt);  /* out: scratch until the end */
     tailserve_add_rms_norm(h, out, L->ln2, a, M, E, L->eps);
     gemm_fmt(L->fmt, a, L->w_gu, L->s_gu, gu, M, 2 * I, E, nt);
