@@ -5,8 +5,10 @@ Stamps (``time.perf_counter``, seconds since the run's start):
 - ``intended_s``: when the arrival process meant the request to leave;
 - ``dispatch_s``: when the sender woke up to send it;
 - ``slot_s``: when it got a concurrency slot (``--max-concurrency`` only);
-- ``send_s``: when httpcore started writing the request headers on a connection (its
-  ``trace`` extension), so connection set-up and pool waits are not hidden;
+- ``send_s``: when the request headers went out on a connection (aiohttp's trace, or
+  httpcore's), so connection set-up and pool waits show as the client's own lag;
+- TTFT and E2EL start at ``start_s``: the slot (or the wake-up, without a cap), where
+  ``vllm bench serve`` starts its clock; ``wire_ttft_s`` starts at ``send_s``;
 - one stamp per content event, taken when the socket read that completed the event
   returned (``aiter_raw``), before any JSON parsing;
 - ``end_s``: when the stream's ``[DONE]`` (or its end) was read.
@@ -120,9 +122,21 @@ class RequestRecord:
 
     @property
     def start_s(self) -> float:
-        if self.send_s is not None:
-            return self.send_s
-        return self.slot_s if self.slot_s is not None else self.intended_s
+        """Where TTFT and E2EL start: when the client began this request, after any
+        ``--max-concurrency`` slot wait and before it encoded the body and got a connection
+        (``vllm bench serve`` starts its clock there too, so both tools report one figure).
+        The wire-only figure, from the headers going out, is ``wire_ttft_s``."""
+        if self.slot_s is not None:
+            return self.slot_s
+        if self.dispatch_s is not None:
+            return self.dispatch_s
+        return self.send_s if self.send_s is not None else self.intended_s
+
+    @property
+    def wire_ttft_s(self) -> float | None:
+        """TTFT from the request's headers going out (without the client's own body encoding
+        and connection set-up)."""
+        return self.chunk_s[0] - self.send_s if self.chunk_s and self.send_s is not None else None
 
     @property
     def ttft_s(self) -> float | None:
@@ -173,8 +187,10 @@ class RequestRecord:
             "server_prompt_tokens": self.server_prompt_tokens, "cached_tokens": self.cached_tokens,
             "tool_calls": [c["name"] for c in self.tool_calls], "max_tokens": self.max_tokens,
             "output_tokens": self.output_tokens, "output_tokens_source": self.output_tokens_source,
-            "intended_s": self.intended_s, "slot_s": self.slot_s, "send_s": self.send_s, "headers_s": self.headers_s,
-            "end_s": self.end_s, "ttft_ms": _ms(self.ttft_s), "ttst_ms": _ms(self.ttst_s), "tpot_ms": _ms(self.tpot_s),
+            "intended_s": self.intended_s, "dispatch_s": self.dispatch_s, "slot_s": self.slot_s,
+            "start_s": self.start_s, "send_s": self.send_s, "headers_s": self.headers_s,
+            "end_s": self.end_s, "ttft_ms": _ms(self.ttft_s), "wire_ttft_ms": _ms(self.wire_ttft_s),
+            "ttst_ms": _ms(self.ttst_s), "tpot_ms": _ms(self.tpot_s),
             "e2el_ms": _ms(self.e2el_s), "send_lag_ms": _ms(self.send_lag_s),
             "client_queue_ms": self.client_queue_s * 1e3, "num_chunks": len(self.chunk_s),
             "itl_ms": [x * 1e3 for x in self.itl_s], "status": self.status, "error_kind": self.error_kind,
