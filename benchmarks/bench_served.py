@@ -1,0 +1,254 @@
+"""The server at the engine's speed (issue 27): `vllm bench serve` against `tailserve serve` and
+llama-server, each alone on the machine, on one checkpoint.
+
+The checkpoint is PEERS.md's 55M Llama in bf16 (benchmarks/bench_peers.py's shape and weights)
+with a byte-level BPE tokenizer of 32,000 tokens trained here on the Python standard library's
+sources (the shape has no tokenizer of its own, and both servers must turn the load's text into
+the same tokens); llama-server gets the same weights as a bf16 GGUF carrying that tokenizer
+(`gpt2` model, GPT-2 pre-tokenizer). Per server, started fresh: two loads of 64 random
+128-token prompts at 16 concurrent (the first and the second load the server ever sees,
+different prompts), then 16 prompts one at a time; 128 new tokens each, `--ignore-eos`, greedy.
+Every load is a new `vllm bench serve` process that first sent one request to a stand-in
+server, so its own first-request costs are paid elsewhere. Before the servers: tailserve's
+offline batch-1 decode step on the same checkpoint (the engine in-process, median step).
+
+    python benchmarks/bench_served.py --vllm-python /tmp/vllm-venv/bin/python \\
+        --llama-server /path/to/llama.cpp/build/bin/llama-server [--rounds 1] [--json out.json]
+
+Needs the `gguf` package (pip install gguf, or PYTHONPATH=<llama.cpp>/gguf-py) for the GGUF.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+
+import httpx
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_peers import SHAPE, make_checkpoint
+
+from tailserve.bench.local_server import LocalServer, free_port
+
+VLLM_CLI = pathlib.Path(__file__).resolve().parents[2] / "shared" / "peers" / "vllm_cli.py"
+SPECIALS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2: the shape's bos 1 and eos 2
+
+
+def train_tokenizer(out: pathlib.Path) -> None:
+    """A GPT-2-style byte-level BPE of SHAPE's vocabulary size over the standard library."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    files = sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=SHAPE["vocab_size"], special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator((f.read_text(encoding="utf-8", errors="replace") for f in files), trainer)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "add_bos_token": False, "model_max_length": SHAPE["max_position_embeddings"]}))
+
+
+def write_gguf(src: pathlib.Path) -> pathlib.Path:
+    """The checkpoint's weights as a bf16 GGUF with the trained tokenizer."""
+    import gguf
+    import numpy as np
+
+    out = src / "model-bf16-tok.gguf"
+    if out.exists():
+        return out
+    tj = json.loads((src / "tokenizer.json").read_text())
+    vocab = sorted(tj["model"]["vocab"].items(), key=lambda kv: kv[1])
+    assert [i for _, i in vocab] == list(range(len(vocab))) == list(range(SHAPE["vocab_size"]))
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
+    w = gguf.GGUFWriter(str(out), "llama")
+    s = SHAPE
+    w.add_context_length(s["max_position_embeddings"])
+    w.add_embedding_length(s["hidden_size"])
+    w.add_block_count(s["num_hidden_layers"])
+    w.add_feed_forward_length(s["intermediate_size"])
+    w.add_head_count(s["num_attention_heads"])
+    w.add_head_count_kv(s["num_key_value_heads"])
+    w.add_rope_dimension_count(s["hidden_size"] // s["num_attention_heads"])
+    w.add_rope_freq_base(s["rope_theta"])
+    w.add_layer_norm_rms_eps(s["rms_norm_eps"])
+    w.add_vocab_size(s["vocab_size"])
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list([t.encode() for t, _ in vocab])
+    w.add_token_types([gguf.TokenType.CONTROL if t in SPECIALS else gguf.TokenType.NORMAL for t, _ in vocab])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    arrays = np.load(src / "weights-f32.npz")
+    for name in arrays.files:
+        a = arrays[name]
+        if a.ndim == 1:  # norms stay f32, as llama.cpp's converter does
+            w.add_tensor(name, a.astype(np.float32))
+        else:
+            q = gguf.GGMLQuantizationType.BF16
+            w.add_tensor(name, gguf.quants.quantize(a, q), raw_dtype=q)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def prepare(path: pathlib.Path) -> None:
+    if not (path / "config.json").exists():
+        path.mkdir(parents=True, exist_ok=True)
+        make_checkpoint(path)
+    if not (path / "tokenizer.json").exists():
+        t = time.perf_counter()
+        train_tokenizer(path)
+        print(f"tokenizer trained in {time.perf_counter() - t:.0f} s", flush=True)
+
+
+def offline_step_ms(model: pathlib.Path) -> float:
+    """tailserve's batch-1 decode step in-process: 128-token prompt, 128 new tokens, median."""
+    import random
+
+    from tailserve import LLM, SamplingParams
+
+    llm = LLM(str(model), enable_prefix_caching=False, enable_metrics=False)
+    rng = random.Random(0)
+    steps = []
+    for _ in range(3):
+        ids = [rng.randrange(3, SHAPE["vocab_size"]) for _ in range(128)]
+        llm.engine.core.step_log.clear()
+        llm.generate([ids], SamplingParams(temperature=0, max_tokens=128, ignore_eos=True))
+        steps += [s.duration_s for s in llm.engine.step_log if s.num_prefill_tokens == 0]
+    llm.shutdown()
+    return statistics.median(steps) * 1e3
+
+
+class LlamaServer:
+    def __init__(self, binary: str, gguf_path: pathlib.Path, slots: int) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [binary, "-m", str(gguf_path), "--host", "127.0.0.1", "--port", str(self.port), "-t", "2",
+                    "-tb", "2", "-np", str(slots), "-c", str(slots * 512), "-a", "m", "--no-webui"]
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> LlamaServer:
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                raise RuntimeError("llama-server exited: " + self.log.read().decode(errors="replace")[-2000:])
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError("llama-server did not become healthy in 120 s")
+
+    def __exit__(self, *exc) -> None:
+        assert self.proc is not None
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def vllm_load(python: str, url: str, tokenizer: pathlib.Path, prompts: int, concurrency: int, seed: int,
+              out: pathlib.Path, name: str) -> dict:
+    cmd = [python, str(VLLM_CLI), "bench", "serve", "--backend", "openai", "--base-url", url, "--model", "m",
+           "--tokenizer", str(tokenizer), "--dataset-name", "random", "--random-input-len", "128",
+           "--random-output-len", "128", "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
+           "--ignore-eos", "--temperature", "0", "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
+           "--save-result", "--result-dir", str(out), "--result-filename", name]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed: {proc.stderr.strip()[-1500:]}")
+    r = json.loads((out / name).read_text())
+    return {"out_tok_s": r["output_throughput"], "ttft_p50_ms": r["median_ttft_ms"],
+            "tpot_p50_ms": r["median_tpot_ms"], "completed": r["completed"], "failed": prompts - r["completed"]}
+
+
+def run_server(kind: str, start, args, model: pathlib.Path, tmp: pathlib.Path, r: int) -> dict:
+    res = {}
+    with start() as srv:
+        res["first_16"] = vllm_load(args.vllm_python, srv.url, model, 64, 16, 100 + r, tmp, f"{kind}-{r}-a.json")
+        res["second_16"] = vllm_load(args.vllm_python, srv.url, model, 64, 16, 200 + r, tmp, f"{kind}-{r}-b.json")
+        res["one"] = vllm_load(args.vllm_python, srv.url, model, 16, 1, 300 + r, tmp, f"{kind}-{r}-c.json")
+    for load, v in res.items():
+        print(f"round {r + 1} {kind:9s} {load:9s} {v['out_tok_s']:7.1f} tok/s  TTFT P50 {v['ttft_p50_ms']:7.1f} ms  "
+              f"TPOT P50 {v['tpot_p50_ms']:6.2f} ms  failed {v['failed']}", flush=True)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--vllm-python", required=True)
+    ap.add_argument("--llama-server", default=None, help="llama-server binary (omit: tailserve only)")
+    ap.add_argument("--model-dir", default=str(pathlib.Path(tempfile.gettempdir()) / "tailserve-served-55m"))
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    model = pathlib.Path(args.model_dir)
+    prepare(model)
+    gguf_path = write_gguf(model) if args.llama_server else None
+    step = offline_step_ms(model)
+    print(f"tailserve offline batch-1 decode step: {step:.2f} ms", flush=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="served-"))
+    # Each client process first sends one request to a stand-in so its own first-request costs
+    # are paid there: here, a tailserve server of the built-in model started once.
+    with LocalServer(["--no-warmup", "--served-model-name", "m"]) as standin:
+        vllm_load(args.vllm_python, standin.url, _builtin(), 1, 1, 0, tmp, "standin.json")
+    servers = {"tailserve": lambda: LocalServer(["--model", str(model), "--served-model-name", "m"])}
+    if args.llama_server:
+        servers["llama.cpp"] = lambda: LlamaServer(args.llama_server, gguf_path, 16)
+    rows: dict[str, list[dict]] = {k: [] for k in servers}
+    for r in range(args.rounds):
+        for kind in (list(servers) if r % 2 == 0 else list(reversed(servers))):
+            rows[kind].append(run_server(kind, servers[kind], args, model, tmp, r))
+    med = {k: {load: {m: statistics.median(x[load][m] for x in rs) for m in rs[0][load]} for load in rs[0]}
+           for k, rs in rows.items()}
+    t = med["tailserve"]
+    print(f"\nmedians over {args.rounds} round(s); tailserve offline batch-1 step {step:.2f} ms")
+    print(f"  1 concurrent: TPOT P50 {t['one']['tpot_p50_ms']:.2f} ms = {t['one']['tpot_p50_ms'] / step:.2f}x "
+          f"the offline step (goal <= 1.15)")
+    if "llama.cpp" in med:
+        ll = med["llama.cpp"]
+        print(f"  1 concurrent out tok/s: tailserve {t['one']['out_tok_s']:.1f}, llama-server "
+              f"{ll['one']['out_tok_s']:.1f} ({t['one']['out_tok_s'] / ll['one']['out_tok_s']:.2f}x, goal >= 1)")
+        for load in ("first_16", "second_16"):
+            a, b = t[load]["out_tok_s"], ll[load]["out_tok_s"]
+            print(f"  16 concurrent, {load.split('_')[0]} load: tailserve {a:.1f}, llama-server {b:.1f} tok/s "
+                  f"({a / b:.2f}x, goal >= 1.5)")
+    first, second = t["first_16"]["ttft_p50_ms"], t["second_16"]["ttft_p50_ms"]
+    print(f"  tailserve first / second load TTFT P50: {first:.1f} / {second:.1f} ms ({first / second:.2f}x, "
+          "goal within 1.2x)")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps({"offline_step_ms": step, "rounds": rows, "medians": med},
+                                                      indent=1))
+
+
+def _builtin() -> pathlib.Path:
+    from tailserve.assets import DEFAULT_TARGET_DIR
+
+    return pathlib.Path(DEFAULT_TARGET_DIR)
+
+
+if __name__ == "__main__":
+    main()
