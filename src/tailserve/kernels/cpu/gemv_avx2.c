@@ -363,7 +363,7 @@ static inline __attribute__((always_inline)) void attend_item(
         for (; j < stop; j++, off++) {
             long kv = kb + off * stride;
             __m256 kr[8];  /* the key row widened once for every head of the group (D <= 64) */
-            int cached = D <= 64;
+            int cached = fmt != KV_F32 && D <= 64;  /* float32 rows are read as they are */
             if (cached)
                 for (long d = 0; d < D; d += 8) kr[d / 8] = load_kv(k_cache, kv + d, fmt);
             for (long g = 0; g < G; g++) {
