@@ -169,13 +169,16 @@ def llamacpp_timed(model: str, variant: str):
     return timed, close
 
 
-def write_gguf(model: str, variant: str) -> pathlib.Path:
-    """The checkpoint's weights (exported as float32 .npz by the parent) as a GGUF file."""
+def write_gguf(model: str, variant: str, with_tokenizer: bool = False) -> pathlib.Path:
+    """The checkpoint's weights (exported as float32 .npz by the parent) as a GGUF file.
+    ``with_tokenizer``: the folder's tokenizer.json (a GPT-2-style byte-level BPE) as llama.cpp's
+    ``gpt2`` tokenizer, so a server tokenises text as the HF checkpoint does; else a placeholder
+    vocabulary (ids are fed directly; nothing is tokenised)."""
     import gguf
     import numpy as np
 
     src = pathlib.Path(model)
-    out = src / f"model-{variant}.gguf"
+    out = src / f"model-{variant}{'-tok' if with_tokenizer else ''}.gguf"
     if out.exists():
         return out
     arrays = np.load(src / "weights-f32.npz")
@@ -195,11 +198,23 @@ def write_gguf(model: str, variant: str) -> pathlib.Path:
     w.add_vocab_size(s["vocab_size"])
     w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
                      "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[variant])
-    # A placeholder vocabulary (ids are fed directly; nothing is tokenised).
-    w.add_tokenizer_model("llama")
-    w.add_token_list([f"<t{i}>".encode() for i in range(s["vocab_size"])])
-    w.add_token_scores([0.0] * s["vocab_size"])
-    w.add_token_types([gguf.TokenType.NORMAL] * s["vocab_size"])
+    if with_tokenizer:
+        tj = json.loads((src / "tokenizer.json").read_text())
+        vocab = sorted(tj["model"]["vocab"].items(), key=lambda kv: kv[1])
+        if [i for _, i in vocab] != list(range(s["vocab_size"])):
+            raise ValueError(f"{src}/tokenizer.json: ids are not 0..{s['vocab_size'] - 1}")
+        special = {t["content"] for t in tj.get("added_tokens", []) if t.get("special")}
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("gpt-2")
+        w.add_token_list([t.encode() for t, _ in vocab])
+        w.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t, _ in vocab])
+        w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]])
+        w.add_add_bos_token(False)
+    else:
+        w.add_tokenizer_model("llama")
+        w.add_token_list([f"<t{i}>".encode() for i in range(s["vocab_size"])])
+        w.add_token_scores([0.0] * s["vocab_size"])
+        w.add_token_types([gguf.TokenType.NORMAL] * s["vocab_size"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     for name in arrays.files:

@@ -31,12 +31,10 @@ import sysconfig
 import tempfile
 import time
 
-import httpx
-
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_peers import SHAPE, make_checkpoint
+from bench_peers import SHAPE, make_checkpoint, write_gguf
 
-from tailserve.bench.local_server import LocalServer, free_port
+from tailserve.bench.local_server import LocalServer, free_port, wait_for_health
 
 VLLM_CLI = pathlib.Path(__file__).resolve().parents[2] / "shared" / "peers" / "vllm_cli.py"
 SPECIALS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2: the shape's bos 1 and eos 2
@@ -57,54 +55,6 @@ def train_tokenizer(out: pathlib.Path) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
         "add_bos_token": False, "model_max_length": SHAPE["max_position_embeddings"]}))
-
-
-def write_gguf(src: pathlib.Path) -> pathlib.Path:
-    """The checkpoint's weights as a bf16 GGUF with the trained tokenizer."""
-    import gguf
-    import numpy as np
-
-    out = src / "model-bf16-tok.gguf"
-    if out.exists():
-        return out
-    tj = json.loads((src / "tokenizer.json").read_text())
-    vocab = sorted(tj["model"]["vocab"].items(), key=lambda kv: kv[1])
-    assert [i for _, i in vocab] == list(range(len(vocab))) == list(range(SHAPE["vocab_size"]))
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
-    w = gguf.GGUFWriter(str(out), "llama")
-    s = SHAPE
-    w.add_context_length(s["max_position_embeddings"])
-    w.add_embedding_length(s["hidden_size"])
-    w.add_block_count(s["num_hidden_layers"])
-    w.add_feed_forward_length(s["intermediate_size"])
-    w.add_head_count(s["num_attention_heads"])
-    w.add_head_count_kv(s["num_key_value_heads"])
-    w.add_rope_dimension_count(s["hidden_size"] // s["num_attention_heads"])
-    w.add_rope_freq_base(s["rope_theta"])
-    w.add_layer_norm_rms_eps(s["rms_norm_eps"])
-    w.add_vocab_size(s["vocab_size"])
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list([t.encode() for t, _ in vocab])
-    w.add_token_types([gguf.TokenType.CONTROL if t in SPECIALS else gguf.TokenType.NORMAL for t, _ in vocab])
-    w.add_token_merges(merges)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
-    arrays = np.load(src / "weights-f32.npz")
-    for name in arrays.files:
-        a = arrays[name]
-        if a.ndim == 1:  # norms stay f32, as llama.cpp's converter does
-            w.add_tensor(name, a.astype(np.float32))
-        else:
-            q = gguf.GGMLQuantizationType.BF16
-            w.add_tensor(name, gguf.quants.quantize(a, q), raw_dtype=q)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
 
 
 def prepare(path: pathlib.Path) -> None:
@@ -146,22 +96,18 @@ class LlamaServer:
     def __enter__(self) -> LlamaServer:
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.log.seek(0)
-                raise RuntimeError("llama-server exited: " + self.log.read().decode(errors="replace")[-2000:])
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError("llama-server did not become healthy in 120 s")
+        state = wait_for_health(self.proc, self.url, 120)
+        if state == "ok":
+            return self
+        self.log.seek(0)
+        tail = self.log.read().decode(errors="replace")[-2000:]
+        self.__exit__()
+        raise RuntimeError(f"llama-server {'exited' if state == 'exited' else 'did not answer in 120 s'}: {tail}")
 
     def __exit__(self, *exc) -> None:
         assert self.proc is not None
-        self.proc.terminate()
+        if self.proc.poll() is None:
+            self.proc.terminate()
         try:
             self.proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
@@ -207,7 +153,7 @@ def main() -> None:
     args = ap.parse_args()
     model = pathlib.Path(args.model_dir)
     prepare(model)
-    gguf_path = write_gguf(model) if args.llama_server else None
+    gguf_path = write_gguf(str(model), "bf16", with_tokenizer=True) if args.llama_server else None
     step = offline_step_ms(model)
     print(f"tailserve offline batch-1 decode step: {step:.2f} ms", flush=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="served-"))

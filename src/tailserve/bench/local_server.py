@@ -22,6 +22,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for_health(proc: subprocess.Popen, url: str, timeout_s: float) -> str:
+    """Poll ``url``/health: "ok" once it answers 200, "exited" if the process ends first,
+    "timeout" after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return "exited"
+        try:
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                return "ok"
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    return "timeout"
+
+
 class LocalServer:
     """``with LocalServer(["--speculative-model", "builtin"]) as srv: srv.url``"""
 
@@ -67,19 +83,13 @@ class LocalServer:
         pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus and hasattr(os, "sched_setaffinity") else None
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=pin,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                if "Address already in use" in self._tail():
-                    return False
-                raise ConfigError(f"tailserve serve {' '.join(self.args)} exited during start-up: "
-                                  f"{self._tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return True
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        state = wait_for_health(self.proc, self.url, self.startup_timeout_s)
+        if state == "ok":
+            return True
+        if state == "exited":
+            if "Address already in use" in self._tail():
+                return False
+            raise ConfigError(f"tailserve serve {' '.join(self.args)} exited during start-up: {self._tail()}")
         self.__exit__(None, None, None)
         raise ConfigError(f"tailserve serve did not answer /health within {self.startup_timeout_s:.0f} s")
 
