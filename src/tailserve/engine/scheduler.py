@@ -363,6 +363,8 @@ class Scheduler:
         k = spec.choose_k(num_decoding, slo_state, greedy) if num_decoding else 0
         if num_decoding:
             out.spec_round = spec.last_round
+        if k <= 0:
+            return  # speculation off this step: nothing to reserve (the common step where it does not pay)
         for idx, (s, req) in enumerate(zip(out.scheduled, chosen)):
             if not s.sample:
                 continue
