@@ -32,8 +32,8 @@ from tailserve.model.llama import FusedDecodeLayer
 from tailserve.platform_info import cpu_flags, cpu_has_native, resolve_auto_dtype
 from tailserve.speculative.numpy_draft import NUMPY_DRAFT_MAX_PARAMETERS
 
-# The CPU decode kernel's limits (kernels/cpu/gemv_avx2.c): float32 caches, head sizes that
-# are multiples of 8, at most 512.
+# The CPU decode kernel's limits (kernels/cpu/gemv_avx2.c): a float32 model (its cache float32,
+# bf16 or fp16), head sizes that are multiples of 8, at most 512.
 _CPU_DECODE_MAX_HEAD_DIM = 512
 
 
