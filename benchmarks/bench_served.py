@@ -9,8 +9,9 @@ the same tokens); llama-server gets the same weights as a bf16 GGUF carrying tha
 128-token prompts at 16 concurrent (the first and the second load the server ever sees,
 different prompts), then 16 prompts one at a time; 128 new tokens each, `--ignore-eos`, greedy.
 Every load is a new `vllm bench serve` process that first sent one request to a stand-in
-server, so its own first-request costs are paid elsewhere. Before the servers: tailserve's
-offline batch-1 decode step on the same checkpoint (the engine in-process, median step).
+server, so its own first-request costs are paid elsewhere. Each round first measures
+tailserve's offline batch-1 decode step on the same checkpoint (the engine in-process, median
+step), the figure the served TPOT is held against.
 
     python benchmarks/bench_served.py --vllm-python /tmp/vllm-venv/bin/python \\
         --llama-server /path/to/llama.cpp/build/bin/llama-server [--rounds 1] [--json out.json]
@@ -154,8 +155,6 @@ def main() -> None:
     model = pathlib.Path(args.model_dir)
     prepare(model)
     gguf_path = write_gguf(str(model), "bf16", with_tokenizer=True) if args.llama_server else None
-    step = offline_step_ms(model)
-    print(f"tailserve offline batch-1 decode step: {step:.2f} ms", flush=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="served-"))
     # Each client process first sends one request to a stand-in so its own first-request costs
     # are paid there: here, a tailserve server of the built-in model started once.
@@ -165,9 +164,14 @@ def main() -> None:
     if args.llama_server:
         servers["llama.cpp"] = lambda: LlamaServer(args.llama_server, gguf_path, 16)
     rows: dict[str, list[dict]] = {k: [] for k in servers}
+    steps = []
     for r in range(args.rounds):
+        # The offline step each round, beside the served figures (it drifts with the machine).
+        steps.append(offline_step_ms(model))
+        print(f"round {r + 1} tailserve offline batch-1 decode step: {steps[-1]:.2f} ms", flush=True)
         for kind in (list(servers) if r % 2 == 0 else list(reversed(servers))):
             rows[kind].append(run_server(kind, servers[kind], args, model, tmp, r))
+    step = statistics.median(steps)
     med = {k: {load: {m: statistics.median(x[load][m] for x in rs) for m in rs[0][load]} for load in rs[0]}
            for k, rs in rows.items()}
     t = med["tailserve"]
@@ -186,7 +190,7 @@ def main() -> None:
     print(f"  tailserve first / second load TTFT P50: {first:.1f} / {second:.1f} ms ({first / second:.2f}x, "
           "goal within 1.2x)")
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"offline_step_ms": step, "rounds": rows, "medians": med},
+        pathlib.Path(args.json).write_text(json.dumps({"offline_step_ms": steps, "rounds": rows, "medians": med},
                                                       indent=1))
 
 

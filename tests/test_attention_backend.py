@@ -122,6 +122,24 @@ def test_the_start_up_warm_up_leaves_no_trace(llama_checkpoint):
     assert [o.token_ids for o in warm.generate(prompts, params)] == want
 
 
+def test_the_warm_up_runs_prompt_steps_as_serving_does_including_the_first_burst():
+    """Prompt shapes go through ``ModelRunner._forward`` with native products allowed (the
+    path of a real prompt step; oneDNN builds a bf16 primitive per shape on first use), and the
+    burst of 128-token prompts that fills a step is among them."""
+    from tailserve import LLM
+
+    llm = LLM(None, kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=1024)
+    runner, calls = llm.engine.core.worker.runner, []
+    original = runner._forward
+    runner._forward = lambda ids, pos, q, c, t, native: calls.append((tuple(q), native)) or original(
+        ids, pos, q, c, t, native)
+    llm.engine.warm_up()
+    prompt_calls = [(q, native) for q, native in calls if max(q) > 1]
+    assert ((128,) * 8, True) in prompt_calls  # 1,024 tokens: the step's budget
+    assert all(native for _, native in prompt_calls)
+    assert llm.engine.block_pool.num_used_blocks == 0 and llm.engine.block_pool.num_cached_blocks == 0
+
+
 def _exact_attention(q, k, v, scale):  # one sequence's whole prompt, causal, float64: (T, H*D)
     t, h, d = q.shape
     rep = h // k.shape[1]

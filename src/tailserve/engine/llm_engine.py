@@ -115,7 +115,9 @@ class LLMEngine:
         c = self.config
         decode = list(range(1, min(c.max_num_seqs, WARMUP_MAX_BATCH) + 1))
         prefill = [n for n in (16, 32, 64, 128, 256, 512) if n <= c.max_num_batched_tokens and n < self.max_model_len]
-        self.core.worker.warm_up(decode, prefill)
+        # The burst a server meets first: 128-token prompts filling a step (at most 2,048 tokens).
+        burst = min(c.max_num_batched_tokens, 2048) if self.max_model_len > 128 else 0
+        self.core.worker.warm_up(decode, prefill, burst)
         return time.perf_counter() - t0
 
     def attach_snapshot_source(self, source: Callable[[], dict[str, Any]] | None) -> None:

@@ -206,16 +206,16 @@ class TensorParallelExecutor:
                            "the ranks diverged")
         return out
 
-    def warm_up(self, decode_batch_sizes: list[int], prefill_lens: list[int]) -> None:
+    def warm_up(self, decode_batch_sizes: list[int], prefill_lens: list[int], prefill_batch_tokens: int = 0) -> None:
         """Every rank runs the same warm-up forwards (they meet in the same collectives)."""
         self.check_health()
         for rank, conn in enumerate(self._conns, start=1):
             try:
-                conn.send(("warm_up", (decode_batch_sizes, prefill_lens)))
+                conn.send(("warm_up", (decode_batch_sizes, prefill_lens, prefill_batch_tokens)))
             except OSError:
                 self._fail(f"tensor-parallel rank {rank} is gone ({self._exit_note(rank)})")
         try:
-            self.local.warm_up(decode_batch_sizes, prefill_lens)
+            self.local.warm_up(decode_batch_sizes, prefill_lens, prefill_batch_tokens)
         except Exception as e:
             self._fail(self._first_failure() or f"tensor-parallel rank 0 failed: {type(e).__name__}: {e}", e)
         for rank, conn in enumerate(self._conns, start=1):

@@ -301,9 +301,9 @@ class Worker:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(sched)
 
-    def warm_up(self, decode_batch_sizes: list[int], prefill_lens: list[int]) -> None:
+    def warm_up(self, decode_batch_sizes: list[int], prefill_lens: list[int], prefill_batch_tokens: int = 0) -> None:
         """Pay the kernels' one-time costs per shape now (``ModelRunner.warm_up``)."""
-        self.runner.warm_up(decode_batch_sizes, prefill_lens)
+        self.runner.warm_up(decode_batch_sizes, prefill_lens, prefill_batch_tokens)
 
     def free(self, request_ids: list[str]) -> None:
         """Drop finished requests' state (reported by a step with nothing to compute)."""
