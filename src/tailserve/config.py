@@ -311,9 +311,10 @@ class EngineConfig:
     # acts only with one set.
     cuda_memory_fraction: float | None = None
     # At start-up, run the forward once per decode batch size (1..WARMUP_MAX_BATCH, at most
-    # max_num_seqs) and per power-of-two prefill length (16..512, at most
-    # max_num_batched_tokens), so the kernels' one-time costs per shape are not paid by the
-    # first requests. tailserve serve turns it on (--no-warmup turns it off).
+    # max_num_seqs), per power-of-two prefill length (16..512, at most max_num_batched_tokens)
+    # and for one step of 128-token prompts filling max_num_batched_tokens (at most 2,048), so
+    # the kernels' one-time costs per shape are not paid by the first requests. tailserve
+    # serve turns it on (--no-warmup turns it off).
     warmup: bool = False
     # CUDA: decodes run as CUDA graphs captured at start-up per batch-size bucket
     # (decode_graph_batch_sizes; padded to the bucket). True: always eager. CPU and tensor
