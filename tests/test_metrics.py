@@ -207,7 +207,7 @@ def test_custom_histogram_buckets_replace_a_familys_buckets_and_the_vllm_mirrors
     cfg = EngineConfig(model="m", custom_histogram_buckets='{"request_latency": [0.05, 0.1, 0.25], '
                                                            '"time_to_first_token": [0.02, 0.2]}')
     prom = PrometheusMetrics("tiny", cfg.custom_histogram_buckets)
-    prom.enable_gateway_metrics(16, 64, True)
+    prom.enable_gateway_metrics(16, 64, True, "bfloat16")
     rm = RequestMetrics(request_id="r", num_prompt_tokens=10, num_cached_tokens=0, num_output_tokens=3,
                         queue_s=0.01, prefill_s=0.03, ttft_s=0.04, decode_s=0.08, e2el_s=0.12, tpot_s=0.04,
                         itl_s=(0.04, 0.04), num_preemptions=0, preempted_s=0.0)

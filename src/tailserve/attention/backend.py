@@ -48,9 +48,10 @@ class LayerAttentionMetadata(Protocol):
         rotary embedding rotates halves: rotate q and k, write K/V, attend. (T, H*D)."""
         ...
 
-    def kernel_step(self, block_size: int) -> object | None:
-        """The step's tables as the fused decode layer takes them (kernels.cpu.StepStruct), or
-        None where this step's metadata is not the CPU decode kernel's."""
+    def kernel_step(self, kv_cache: torch.Tensor) -> object | None:
+        """The step's tables as the fused decode layer takes them (kernels.cpu.StepStruct, with
+        ``kv_cache``'s block size and format), or None where this step's metadata is not the CPU
+        decode kernel's."""
         ...
 
 
@@ -76,7 +77,7 @@ class RopeOutsideKernel:
         v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
         return self.attend(qk[:, :h], qk[:, h:], v, kv_cache, scale)
 
-    def kernel_step(self, block_size: int) -> object | None:
+    def kernel_step(self, kv_cache: torch.Tensor) -> object | None:
         return None
 
 

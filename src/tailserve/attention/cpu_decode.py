@@ -25,7 +25,7 @@ import torch
 
 from tailserve.attention.backend import slots_of
 from tailserve.attention.reference import AttentionMetadata, TorchReferenceBackend
-from tailserve.kernels.cpu import CpuKernels, StepStruct
+from tailserve.kernels.cpu import KV_FORMATS, CpuKernels, StepStruct
 
 
 @dataclass
@@ -44,13 +44,14 @@ class CpuDecodeMetadata:
 
     _step: object = None
 
-    def kernel_step(self, block_size: int):
-        """The step's tables as the fused decode layer takes them (built once per step)."""
+    def kernel_step(self, kv_cache: torch.Tensor):
+        """The step's tables as the fused decode layer takes them (built once per step: every
+        layer's cache has the same block size and format)."""
         if self._step is None:
             self._step = StepStruct(self.block_tables.data_ptr(), self.block_tables.stride(0),
                                     self.seq_lens.data_ptr(), self.slot_mapping.data_ptr(),
-                                    self.slot_mapping.shape[0], block_size, self.sliding_window or 0, self.max_ctx,
-                                    torch.get_num_threads())
+                                    self.slot_mapping.shape[0], kv_cache.shape[2], self.sliding_window or 0,
+                                    self.max_ctx, torch.get_num_threads(), KV_FORMATS[kv_cache.dtype])
         return self._step
 
     def attend_rope(self, qkv: torch.Tensor, rotary, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,

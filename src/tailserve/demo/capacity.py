@@ -46,7 +46,7 @@ def mixed_workload(n: int, seed: int = 0, prompt_range: tuple[int, int] = (32, 4
 def bytes_per_token(llm: LLM) -> int:
     eng = llm.engine
     bs = eng.config.block_size
-    return kv_bytes_per_block(eng.arch, bs, eng.info.kv_cache_dtype or eng.info.dtype) // bs
+    return kv_bytes_per_block(eng.arch, bs, eng.info.plan.kv_dtype) // bs
 
 
 def run_capacity(kind: str, requests: list[tuple[list[int], int]], kv_bytes: int, max_len: int,
@@ -84,6 +84,6 @@ def run_capacity(kind: str, requests: list[tuple[list[int], int]], kv_bytes: int
            "tok_s": generated / dt, "preemptions": eng.core.scheduler.num_preemptions,
            "mean_wasted_mib": statistics.mean(wasted) / 2**20, "peak_wasted_mib": max(wasted) / 2**20,
            "num_blocks": eng.block_pool.num_blocks, "bytes_per_token": per_token, "seconds": dt,
-           "kv_cache_dtype": str(eng.info.kv_cache_dtype or eng.info.dtype).removeprefix("torch.")}
+           "kv_cache_dtype": str(eng.info.plan.kv_dtype).removeprefix("torch.")}
     llm.shutdown()
     return out

@@ -76,7 +76,7 @@ class LLMEngine:
             if config.enable_metrics else None  # type: ignore[arg-type]
         if self.prometheus is not None and config.gateway_metrics:
             self.prometheus.enable_gateway_metrics(config.block_size, info.num_blocks, config.enable_prefix_caching,
-                                                   str(info.kv_cache_dtype or info.dtype).removeprefix("torch."))
+                                                   str(info.plan.kv_dtype).removeprefix("torch."))
         self.output_processor = OutputProcessor(self.tokenizer, self.prometheus)
         self.allocator_settings = info.allocator_settings
         self.dtype, self.dtype_reason = info.dtype, info.dtype_reason

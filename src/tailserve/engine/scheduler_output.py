@@ -225,7 +225,6 @@ class WorkerInfo:
     has_proposer: bool
     plan: TargetPlan
     num_fused_layers: int = 0
-    kv_cache_dtype: torch.dtype | None = None  # the target's K/V element type (None: dtype)
 
 
 class ModelExecutor(Protocol):

@@ -184,7 +184,6 @@ class Worker:
         self.info = WorkerInfo(
             arch=self.arch, model_dir=self.model_dir, max_model_len=max_len, num_blocks=self.num_blocks,
             block_size=config.block_size, kv_bytes_per_block=self.kv_bytes_per_block, dtype=self.dtype,
-            kv_cache_dtype=self.kv_dtype,
             dtype_reason=self.dtype_reason, device=device, allocator_settings=self.allocator_settings,
             memory_profile=self.memory_profile, decode_graph_sizes=tuple(sorted(self.runner.decode_graphs)),
             graph_capture_s=self.graph_capture_s, has_proposer=proposer is not None, plan=plan,

@@ -99,7 +99,7 @@ class _GatewayCollector:
     adapters, and the pickers treat its absence as no adapters."""
 
     def __init__(self, metrics: PrometheusMetrics, block_size: int, num_blocks: int,
-                 enable_prefix_caching: bool, cache_dtype: str = "auto") -> None:
+                 enable_prefix_caching: bool, cache_dtype: str) -> None:
         self.metrics = metrics
         self.cache_labels = {"block_size": str(block_size), "num_gpu_blocks": str(num_blocks),
                              "enable_prefix_caching": str(enable_prefix_caching), "cache_dtype": cache_dtype}
@@ -354,7 +354,7 @@ class PrometheusMetrics:
             self._c["itl"].observe(gap)
 
     def enable_gateway_metrics(self, block_size: int, num_blocks: int, enable_prefix_caching: bool,
-                               cache_dtype: str = "auto") -> None:
+                               cache_dtype: str) -> None:
         """Also export the gauges inference gateways read, under vLLM's names. ``cache_dtype``:
         the KV cache's element type as resolved (vLLM's label shows the flag's value)."""
         self.registry.register(_GatewayCollector(self, block_size, num_blocks, enable_prefix_caching, cache_dtype))

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tailserve.attention.backend import LayerAttentionMetadata
-from tailserve.kernels.cpu import KV_FORMATS, WEIGHT_FORMATS, LayerStruct
+from tailserve.kernels.cpu import WEIGHT_FORMATS, LayerStruct
 from tailserve.model.config import ModelArchConfig
 from tailserve.model.linear import (
     SINGLE,
@@ -112,7 +112,6 @@ class FusedDecodeLayer:
         out = torch.empty_like(h)
         cos, sin = rope
         k_ptr = kv_cache.data_ptr()
-        step.kv_fmt = KV_FORMATS[kv_cache.dtype]  # float32, bf16 or fp16 (the plan's kv_cache_dtype)
         self.kernels.decode_layer(self.struct, step, h.data_ptr(), 0 if residual is None else x.data_ptr(),
                                   out.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_ptr,
                                   k_ptr + kv_cache.stride(0) * kv_cache.element_size())
@@ -227,7 +226,7 @@ class DecoderLayer(nn.Module):
         fused = self.fused
         if fused is not None and x.shape[0] <= FusedDecodeLayer.MAX_ROWS and rope[0].is_contiguous() \
                 and rope[1].is_contiguous():
-            step = meta.kernel_step(kv_cache.shape[2])  # None: not the CPU decode kernel's metadata
+            step = meta.kernel_step(kv_cache)  # None: not the CPU decode kernel's metadata
             if step is not None:
                 return fused.forward(x, residual, rope, kv_cache, step)
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm

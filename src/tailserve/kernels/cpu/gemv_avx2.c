@@ -342,12 +342,11 @@ static inline __attribute__((always_inline)) void weigh_values(
     }
 }
 
-/* One (sequence, KV head) of attend_paged; p: G x (max_ctx + 8) scores, mx: G floats, vw:
- * block_size x D floats of scratch. */
+/* One (sequence, KV head) of attend_paged; p: G x (max_ctx + 8) scores, mx: G floats. */
 static inline __attribute__((always_inline)) void attend_item(
         const float* q, const void* k_cache, const void* v_cache, const int32_t* block_tables, long bt_stride,
         const int32_t* seq_lens, float* out, long H, long KVH, long D, long block_size, float scale, long window,
-        long max_ctx, long b, long kvh, float* p, float* mx, float* vw, const int fmt) {
+        long max_ctx, long b, long kvh, float* p, float* mx, const int fmt) {
     long G = H / KVH, stride = KVH * D;
     long ctx = seq_lens[b];
     long start = window > 0 && ctx > window ? ctx - window : 0;
@@ -415,16 +414,7 @@ static inline __attribute__((always_inline)) void attend_item(
         long blk = pos0 / block_size, off0 = pos0 - blk * block_size;
         long stop = (blk + 1) * block_size < ctx ? (blk + 1) * block_size : ctx;
         long vb = ((long)table[blk] * block_size * KVH + kvh) * D;
-        if (fmt != KV_F32 && G > 1) {
-            /* A 16-bit block is widened once into vw (rows of D floats) for all G heads,
-             * not once per head. */
-            for (long off = off0; off < stop - pos0 + off0; off++)
-                for (long d = 0; d < D; d += 8)
-                    _mm256_storeu_ps(vw + off * D + d, load_kv(v_cache, vb + off * stride + d, fmt));
-            weigh_values(vw, 0, D, p, out, H, D, max_ctx, start, b, kvh, G, pos0, off0, stop, KV_F32);
-        } else {
-            weigh_values(v_cache, vb, stride, p, out, H, D, max_ctx, start, b, kvh, G, pos0, off0, stop, fmt);
-        }
+        weigh_values(v_cache, vb, stride, p, out, H, D, max_ctx, start, b, kvh, G, pos0, off0, stop, fmt);
         pos0 = stop;
     }
     for (long g = 0; g < G; g++) {
@@ -437,9 +427,9 @@ static inline __attribute__((always_inline)) void attend_item(
 #define DEFINE_ATTEND_ITEM(NAME, FMT)                                                                        \
 static void NAME(const float* q, const void* k_cache, const void* v_cache, const int32_t* block_tables,       \
                  long bt_stride, const int32_t* seq_lens, float* out, long H, long KVH, long D, long block_size, \
-                 float scale, long window, long max_ctx, long b, long kvh, float* p, float* mx, float* vw) {  \
+                 float scale, long window, long max_ctx, long b, long kvh, float* p, float* mx) {             \
     attend_item(q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, H, KVH, D, block_size, scale,    \
-                window, max_ctx, b, kvh, p, mx, vw, FMT);                                                    \
+                window, max_ctx, b, kvh, p, mx, FMT);                                                        \
 }
 DEFINE_ATTEND_ITEM(attend_item_f32, KV_F32)
 DEFINE_ATTEND_ITEM(attend_item_bf16, KV_BF16)
@@ -451,18 +441,16 @@ static void attend_paged(const float* q, const void* k_cache, const void* v_cach
     long G = H / KVH, work = B * KVH;
     int nt = work * G * max_ctx * D < (1L << 16) ? 1 : threads;  /* small steps: no thread wake-up */
     void (*item)(const float*, const void*, const void*, const int32_t*, long, const int32_t*, float*, long, long,
-                 long, long, float, long, long, long, long, float*, float*, float*) =
+                 long, long, float, long, long, long, long, float*, float*) =
         kv_fmt == KV_BF16 ? attend_item_bf16 : kv_fmt == KV_F16 ? attend_item_f16 : attend_item_f32;
     _Pragma("omp parallel num_threads(nt)")
     {
         float* p = (float*)malloc((size_t)G * (max_ctx + 8) * sizeof(float));
         float* mx = (float*)malloc((size_t)G * sizeof(float));
-        float* vw = (float*)malloc((size_t)block_size * D * sizeof(float));
         _Pragma("omp for schedule(static)")
         for (long i = 0; i < work; i++)
             item(q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, H, KVH, D, block_size, scale, window,
-                 max_ctx, i / KVH, i % KVH, p, mx, vw);
-        free(vw);
+                 max_ctx, i / KVH, i % KVH, p, mx);
         free(mx);
         free(p);
     }
