@@ -305,7 +305,13 @@ def headless_chromium(tmp_path):
 @contextlib.contextmanager
 def serve_in_thread(server) -> Iterator[str]:
     """A real HTTP server on 127.0.0.1 for an in-process ``Server`` (so a test can reach into
-    its engine: a stand-in, an injected fault); yields its URL, stops it and its engine after."""
+    its engine: a stand-in, an injected fault); yields its URL, stops it and its engine after.
+
+    A ``Server(start_engine_thread=True)`` keeps its engine loop on its own thread (the
+    "thread" engine loop); with ``start_engine_thread=False`` the engine loop runs inline, a
+    task on the server's event loop (as ``tailserve serve`` on the CPU)."""
+    import asyncio
+
     import uvicorn
 
     from tailserve.bench.local_server import free_port
@@ -313,7 +319,18 @@ def serve_in_thread(server) -> Iterator[str]:
 
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
+    if server.async_engine._thread is None:
+        async def both() -> None:
+            engine = asyncio.ensure_future(server.async_engine.run_in_loop())
+            try:
+                await srv.serve()
+            finally:
+                server.async_engine.shutdown()
+                await engine
+
+        thread = threading.Thread(target=asyncio.run, args=(both(),), daemon=True)
+    else:
+        thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     try:
         deadline = time.monotonic() + 30

@@ -225,13 +225,14 @@ def test_a_failing_step_fails_only_its_requests_and_the_engine_keeps_serving(lla
     assert llm.generate([[5, 6, 7]], greedy)[0].token_ids == ref
 
 
-def test_server_answers_500_naming_the_request_and_keeps_serving(llama_checkpoint):
+@pytest.mark.parametrize("engine_loop", ["thread", "inline"])
+def test_server_answers_500_naming_the_request_and_keeps_serving(llama_checkpoint, engine_loop):
     from conftest import serve_in_thread
     from tailserve.server.app import Server
 
     path, _ = llama_checkpoint
     llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=KV)
-    server = Server(llm.engine, start_engine_thread=True)
+    server = Server(llm.engine, start_engine_thread=engine_loop == "thread")
     llm.engine.runner.execute = _FailOnToken(llm.engine.runner, 333)
     with serve_in_thread(server) as url:
         bad = httpx.post(url + "/v1/completions", json={"prompt": [333, 4, 5], "max_tokens": 4},

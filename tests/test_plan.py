@@ -224,3 +224,19 @@ def test_a_kv_cache_dtype_the_kernels_cannot_read_is_a_config_error():
         plan_target(config(device="cuda", attention_backend="triton", kv_cache_dtype="float32"), arch(), CUDA, H200)
     with pytest.raises(ConfigError, match="fp8 KV caches are not supported"):
         config(kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize("device,caps,flag,want", [
+    (CPU, AVX2_KERNELS, "auto", "inline"), (CUDA, H200, "auto", "thread"),
+    (CPU, AVX2_KERNELS, "thread", "thread"), (CUDA, H200, "inline", "inline"),
+])
+def test_the_engine_loop_inline_on_the_cpu_on_its_own_thread_beside_a_gpu(device, caps, flag, want):
+    plan = plan_target(config(device=device.type, engine_loop=flag), arch(), device, caps)
+    assert plan.engine_loop == want
+    assert plan.describe()["engine_loop"].startswith(want + " (")
+    assert ("--engine-loop" in plan.engine_loop_reason) == (flag != "auto")
+
+
+def test_an_unknown_engine_loop_is_a_config_error():
+    with pytest.raises(ConfigError, match="engine_loop must be one of auto, inline, thread"):
+        config(engine_loop="process")

@@ -384,8 +384,12 @@ def test_dropped_streams_free_every_kv_block(server, protocol):
     # before its client closes the stream. With 200 tokens, on a fast CPU under the full suite
     # (four workers on two cores), 2 of 50 client threads were kept from running long enough
     # for theirs to finish first (counted as length, not abort); alone it never failed.
+    # The clients are made before the threads start (each takes ~10 ms of the GIL): made in
+    # the threads, the last streams began after the first had already run to their end.
+    clients = [httpx.Client(timeout=30, http1=not h2, http2=h2) for _ in range(50)]
+
     def open_and_drop(i: int) -> None:
-        with httpx.Client(timeout=30, http1=not h2, http2=h2) as c, c.stream("POST", url + "/v1/completions", json={
+        with clients[i] as c, c.stream("POST", url + "/v1/completions", json={
                 "prompt": f"def g{i}(x):", "max_tokens": 480, "temperature": 0, "ignore_eos": True,
                 "stream": True}) as r:
             for n, _ in enumerate(r.iter_lines()):

@@ -212,7 +212,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config = EngineConfig(model=args.model or "builtin", served_model_name=names[0] if names else None,
                           enable_metrics=not args.disable_metrics, gateway_metrics=args.gateway_metrics,
                           record_memory_history=args.record_memory_history, warmup=not args.no_warmup,
-                          custom_histogram_buckets=args.custom_histogram_buckets,
+                          custom_histogram_buckets=args.custom_histogram_buckets, engine_loop=args.engine_loop,
                           **_engine_kwargs(args))  # type: ignore[arg-type]
     check_bindable(args.host, args.port)  # fail before spending seconds loading the model
     tracer = None
@@ -271,6 +271,9 @@ def _serve_on_ray(args: argparse.Namespace, tools: dict[str, object]) -> int:
         raise ConfigError(f"--ray-replicas must be >= 1, got {args.ray_replicas}")
     if args.http2_port:
         raise ConfigError("--http2-port: Ray Serve's proxy speaks HTTP/1.1 only; drop it with --ray-replicas")
+    if args.engine_loop != "auto":
+        raise ConfigError("--engine-loop: Ray Serve replicas run each engine on its own thread; drop it with "
+                          "--ray-replicas")
     if args.access_log:
         raise ConfigError("--access-log: Ray Serve logs each request itself; drop it with --ray-replicas")
     if args.kv_events_config is not None:
@@ -549,6 +552,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "first_token, finished; a child of the request's W3C traceparent) to this OTLP/HTTP "
                           "traces endpoint, e.g. http://127.0.0.1:4318/v1/traces (needs pip install "
                           "'tailserve[otel]')")
+    srv.add_argument("--engine-loop", default="auto", choices=["auto", "inline", "thread"],
+                     help="where the engine loop runs: inline = a task on the HTTP event loop's thread (steps and "
+                          "streaming take turns, no hand-off between threads per token), thread = its own thread "
+                          "(the event loop streams and accepts while a step runs); auto = inline on the CPU, "
+                          "thread on a GPU")
     srv.add_argument("--access-log", action="store_true")
     srv.add_argument("--chat-template", default=None, metavar="FILE",
                      help="a Jinja chat template to use instead of the checkpoint's (it sees messages, tools, "

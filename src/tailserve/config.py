@@ -167,6 +167,7 @@ class KVEventsConfig:
 
 
 PREFIX_CACHING_HASH_ALGOS = ("builtin", "sha256_cbor_64bit")
+ENGINE_LOOPS = ("auto", "inline", "thread")
 
 # The histogram families of vLLM's --custom-histogram-buckets (vllm/v1/metrics/buckets.py's
 # names) that tailserve has, and the histograms each covers (metrics/prometheus.py; the
@@ -329,6 +330,10 @@ class EngineConfig:
     # CPU: size the intra-op thread pool to the cores other processes leave free, re-measured
     # every 0.25 s (engine/cpu_threads.py). None: on unless TAILSERVE_CPU_THREADS_ADAPT=0.
     cpu_threads_adapt: bool | None = None
+    # ``tailserve serve``: where the engine loop runs (``plan_target`` decides "auto"):
+    # "inline" = a task on the HTTP event loop's thread, steps and streaming taking turns;
+    # "thread" = its own thread, outputs handed to the event loop's thread each step.
+    engine_loop: str = "auto"
     # Prometheus histogram buckets per family (vLLM's --custom-histogram-buckets): its JSON
     # text, or the parsed ((family, bounds), ...). None: tailserve's defaults (metrics/prometheus.py).
     custom_histogram_buckets: str | tuple[tuple[str, tuple[float, ...]], ...] | None = None
@@ -380,6 +385,8 @@ class EngineConfig:
                 and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
         _ = self.scheduler_config  # validates the scheduler fields
+        if self.engine_loop not in ENGINE_LOOPS:
+            raise ConfigError(f"engine_loop must be one of {', '.join(ENGINE_LOOPS)}, got {self.engine_loop!r}")
         if self.cpu_threads_adapt is None:
             object.__setattr__(self, "cpu_threads_adapt", os.environ.get("TAILSERVE_CPU_THREADS_ADAPT", "1") != "0")
         if isinstance(self.custom_histogram_buckets, str):

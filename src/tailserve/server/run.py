@@ -1,5 +1,6 @@
-"""Run the server: two listeners on one event-loop thread, the engine loop on the main
-thread (see engine/async_engine.py for why).
+"""Run the server: two listeners on one event loop; the engine loop a task on it (inline, the
+default on the CPU) or on the main thread beside it (thread, the default on a GPU); see
+engine/async_engine.py for why.
 
 - HTTP/1.1 on ``--port``: Uvicorn with the httptools parser (and uvloop when installed),
   the lowest-overhead maintained ASGI server for HTTP/1.1; this is what most clients and
@@ -118,11 +119,12 @@ def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000, htt
     log.info("garbage collector: %d start-up objects frozen (full collections no longer scan them)",
              gc.get_freeze_count())
 
+    inline = engine.info.plan.engine_loop == "inline"
     ready = threading.Event()
     state: dict[str, object] = {}
     failure: list[BaseException] = []
 
-    async def serve_http() -> None:
+    async def serve_http(engine_loop: bool) -> None:
         stop = asyncio.Event()
         state["loop"], state["stop"] = asyncio.get_running_loop(), stop
         ready.set()
@@ -136,7 +138,15 @@ def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000, htt
             await stop.wait()
             h1.should_exit = True
 
+        async def engine_main() -> None:
+            try:
+                await server.async_engine.run_in_loop()
+            finally:
+                stop.set()  # the engine stopped (shutdown, or down for good): so do the listeners
+
         tasks = [h1_main(), h1_stopper()]
+        if engine_loop:
+            tasks.append(engine_main())
         if http2_port:
             tasks.append(hypercorn_serve(app, h2_config, shutdown_trigger=stop.wait))  # type: ignore[arg-type]
         log.info("serving %s on http://%s (HTTP/1.1)%s", server.model_name, _hostport(host, port),
@@ -145,26 +155,21 @@ def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000, htt
             await asyncio.gather(*tasks)
         finally:
             stop.set()
+            server.async_engine.shutdown()
 
-    def http_thread() -> None:
+    def run_loop(engine_loop: bool) -> None:
         try:
-            # Uvicorn's own signal handlers only install on the main thread, which the
-            # engine owns; run_server() handles SIGINT/SIGTERM itself.
             if has_uvloop:
                 import uvloop
 
-                uvloop.run(serve_http())
+                uvloop.run(serve_http(engine_loop))
             else:
-                asyncio.run(serve_http())
+                asyncio.run(serve_http(engine_loop))
         except BaseException as e:  # e.g. the port is taken: report it and stop the engine loop
             failure.append(e)
             ready.set()
         finally:
             server.async_engine.shutdown()
-
-    thread = threading.Thread(target=http_thread, name="tailserve-http", daemon=True)
-    thread.start()
-    ready.wait()
 
     def stop(*_: object) -> None:
         server.async_engine.shutdown()
@@ -175,14 +180,30 @@ def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000, htt
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
-    try:
-        server.async_engine.run_forever()  # the engine loop, on the main thread, until stop()
-    finally:
-        stop()
-        thread.join(timeout=30)
-        engine.shutdown()
-        if tracer is not None:
-            tracer.shutdown()  # the spans still batched go out
+    if inline:
+        # The default: the event loop and the engine loop (a task on it) on the main thread.
+        # Uvicorn would take over SIGINT/SIGTERM on the main thread; ours stop everything.
+        h1.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+        try:
+            run_loop(engine_loop=True)
+        finally:
+            engine.shutdown()
+            if tracer is not None:
+                tracer.shutdown()  # the spans still batched go out
+    else:
+        # --engine-loop thread: the event loop on a second thread, outputs handed over
+        # between threads.
+        thread = threading.Thread(target=run_loop, args=(False,), name="tailserve-http", daemon=True)
+        thread.start()
+        ready.wait()
+        try:
+            server.async_engine.run_forever()  # the engine loop, on the main thread, until stop()
+        finally:
+            stop()
+            thread.join(timeout=30)
+            engine.shutdown()
+            if tracer is not None:
+                tracer.shutdown()  # the spans still batched go out
     if failure:
         raise SystemExit(f"tailserve: error: HTTP server failed: {failure[0]}")
     if server.async_engine.dead is not None:
