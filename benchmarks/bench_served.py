@@ -11,10 +11,15 @@ different prompts), then 16 prompts one at a time; 128 new tokens each, `--ignor
 Every load is a new `vllm bench serve` process that first sent one request to a stand-in
 server, so its own first-request costs are paid elsewhere. Each round first measures
 tailserve's offline batch-1 decode step on the same checkpoint (the engine in-process, median
-step), the figure the served TPOT is held against.
+``LLMEngine.step()``, the figure the served TPOT is held against; the engine core's part of it
+is printed beside).
 
     python benchmarks/bench_served.py --vllm-python /tmp/vllm-venv/bin/python \\
         --llama-server /path/to/llama.cpp/build/bin/llama-server [--rounds 1] [--json out.json]
+        [--with-thread-loop]
+
+--with-thread-loop also serves with `--engine-loop thread` (the engine loop on its own thread,
+outputs handed to the event loop's thread each step), interleaved with the default.
 
 Needs the `gguf` package (pip install gguf, or PYTHONPATH=<llama.cpp>/gguf-py) for the GGUF.
 """
@@ -68,22 +73,36 @@ def prepare(path: pathlib.Path) -> None:
         print(f"tokenizer trained in {time.perf_counter() - t:.0f} s", flush=True)
 
 
-def offline_step_ms(model: pathlib.Path) -> float:
-    """tailserve's batch-1 decode step in-process: 128-token prompt, 128 new tokens, median."""
+def offline_step_ms(model: pathlib.Path) -> tuple[float, float]:
+    """tailserve's batch-1 decode step in-process: 128-token prompt, 128 new tokens, median.
+
+    Two figures: the whole ``LLMEngine.step()`` as ``LLM.generate`` drives it (the model, the
+    sampler, and turning the token into text: what a token costs offline), and the engine
+    core's part of it alone (``step_log``: scheduling, the forward and the sampler, without
+    the detokenization and stop checks that follow). The served TPOT is held against the first."""
     import random
 
     from tailserve import LLM, SamplingParams
 
     llm = LLM(str(model), enable_prefix_caching=False, enable_metrics=False)
+    eng = llm.engine
     rng = random.Random(0)
-    steps = []
-    for _ in range(3):
+    steps, core = [], []
+    for r in range(3):
         ids = [rng.randrange(3, SHAPE["vocab_size"]) for _ in range(128)]
-        llm.engine.core.step_log.clear()
-        llm.generate([ids], SamplingParams(temperature=0, max_tokens=128, ignore_eos=True))
-        steps += [s.duration_s for s in llm.engine.step_log if s.num_prefill_tokens == 0]
+        eng.core.step_log.clear()
+        eng.add_request(ids, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True),
+                        f"offline-{r}")
+        first = True
+        while eng.has_unfinished_requests():
+            t0 = time.perf_counter()
+            eng.step()
+            if not first:  # the prompt's step
+                steps.append(time.perf_counter() - t0)
+            first = False
+        core += [s.duration_s for s in eng.step_log if s.num_prefill_tokens == 0]
     llm.shutdown()
-    return statistics.median(steps) * 1e3
+    return statistics.median(steps) * 1e3, statistics.median(core) * 1e3
 
 
 class LlamaServer:
@@ -150,6 +169,8 @@ def main() -> None:
     ap.add_argument("--llama-server", default=None, help="llama-server binary (omit: tailserve only)")
     ap.add_argument("--model-dir", default=str(pathlib.Path(tempfile.gettempdir()) / "tailserve-served-55m"))
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--with-thread-loop", action="store_true",
+                    help="also serve with --engine-loop thread (the hand-off between threads), interleaved")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     model = pathlib.Path(args.model_dir)
@@ -161,21 +182,28 @@ def main() -> None:
     with LocalServer(["--no-warmup", "--served-model-name", "m"]) as standin:
         vllm_load(args.vllm_python, standin.url, _builtin(), 1, 1, 0, tmp, "standin.json")
     servers = {"tailserve": lambda: LocalServer(["--model", str(model), "--served-model-name", "m"])}
+    if args.with_thread_loop:
+        servers["ts-thread"] = lambda: LocalServer(["--model", str(model), "--served-model-name", "m",
+                                                    "--engine-loop", "thread"])
     if args.llama_server:
         servers["llama.cpp"] = lambda: LlamaServer(args.llama_server, gguf_path, 16)
     rows: dict[str, list[dict]] = {k: [] for k in servers}
-    steps = []
+    steps, cores = [], []
     for r in range(args.rounds):
         # The offline step each round, beside the served figures (it drifts with the machine).
-        steps.append(offline_step_ms(model))
-        print(f"round {r + 1} tailserve offline batch-1 decode step: {steps[-1]:.2f} ms", flush=True)
+        whole, core = offline_step_ms(model)
+        steps.append(whole)
+        cores.append(core)
+        print(f"round {r + 1} tailserve offline batch-1 decode step: {whole:.2f} ms (engine core {core:.2f} ms)",
+              flush=True)
         for kind in (list(servers) if r % 2 == 0 else list(reversed(servers))):
             rows[kind].append(run_server(kind, servers[kind], args, model, tmp, r))
     step = statistics.median(steps)
     med = {k: {load: {m: statistics.median(x[load][m] for x in rs) for m in rs[0][load]} for load in rs[0]}
            for k, rs in rows.items()}
     t = med["tailserve"]
-    print(f"\nmedians over {args.rounds} round(s); tailserve offline batch-1 step {step:.2f} ms")
+    print(f"\nmedians over {args.rounds} round(s); tailserve offline batch-1 step {step:.2f} ms (engine core "
+          f"{statistics.median(cores):.2f} ms)")
     print(f"  1 concurrent: TPOT P50 {t['one']['tpot_p50_ms']:.2f} ms = {t['one']['tpot_p50_ms'] / step:.2f}x "
           f"the offline step (goal <= 1.15)")
     if "llama.cpp" in med:
@@ -186,12 +214,18 @@ def main() -> None:
             a, b = t[load]["out_tok_s"], ll[load]["out_tok_s"]
             print(f"  16 concurrent, {load.split('_')[0]} load: tailserve {a:.1f}, llama-server {b:.1f} tok/s "
                   f"({a / b:.2f}x, goal >= 1.5)")
+    if "ts-thread" in med:
+        th = med["ts-thread"]
+        print(f"  --engine-loop thread: 1 concurrent TPOT P50 {th['one']['tpot_p50_ms']:.2f} ms = "
+              f"{th['one']['tpot_p50_ms'] / step:.2f}x the offline step; 16 concurrent "
+              f"{th['first_16']['out_tok_s']:.1f} / {th['second_16']['out_tok_s']:.1f} tok/s, TTFT P50 "
+              f"{th['first_16']['ttft_p50_ms']:.1f} / {th['second_16']['ttft_p50_ms']:.1f} ms (first / second load)")
     first, second = t["first_16"]["ttft_p50_ms"], t["second_16"]["ttft_p50_ms"]
     print(f"  tailserve first / second load TTFT P50: {first:.1f} / {second:.1f} ms ({first / second:.2f}x, "
           "goal within 1.2x)")
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"offline_step_ms": steps, "rounds": rows, "medians": med},
-                                                      indent=1))
+        out = {"offline_step_ms": steps, "offline_core_step_ms": cores, "rounds": rows, "medians": med}
+        pathlib.Path(args.json).write_text(json.dumps(out, indent=1))
 
 
 def _builtin() -> pathlib.Path:
