@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from tailserve.speculative.adaptive import AdaptiveSpeculation
+from tailserve.speculative.adaptive import AdaptiveSpeculation, VerifyCostProfile
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -453,3 +453,59 @@ def test_a_held_decision_reads_no_window():
     assert reads == []  # held: nothing read
     ks = [ctl.choose_k(4) for _ in range(20)]
     assert 1 in ks  # the periodic exploration (of the best measured k, while off) came when due
+
+
+def _linear_rows_profile(b: int, per_k: float, draft_per_k: float, k_max: int) -> VerifyCostProfile:
+    """Verification at b requests where each k adds ``per_k`` of a 1 ms forward, and each
+    draft ``draft_per_k`` ms of the proposal."""
+    return VerifyCostProfile(tuple((b, k, 1e-3 * (1 + per_k * k)) for k in range(k_max + 1)),
+                             tuple((b, k, 1e-3 * draft_per_k * k) for k in range(1, k_max + 1)))
+
+
+def test_the_ceiling_is_the_geometric_speed_up_on_the_profiled_costs():
+    """Verification free at batch 1, drafts at 0.1 ms each, off step 1.2 ms of which 1 ms is the
+    forward: k = 2 with every draft accepted gives 3 tokens in 1.4 ms."""
+    profile = _linear_rows_profile(1, 0.0, 0.1, 2)
+    assert profile.ceiling(1, 1.2e-3, 1e-3) == pytest.approx(3 * 1.2 / 1.4)
+    assert profile.ceiling(1, 1.2e-3, 1e-3, acceptance=0.5) == pytest.approx(expected_tokens(0.5, 2) * 1.2 / 1.4)
+    # The engine runs twice as slow as the profile: the profiled costs scale with it.
+    assert profile.ceiling(1, 2.2e-3, 2e-3) == pytest.approx(3 * 2.2 / (0.2 + 2 * 1.2))
+    assert profile.ceiling(4, 1.2e-3, 1e-3) is None  # not profiled
+    # Each k adds a whole forward and its drafts: at best even with off (k = 1, all accepted),
+    # and below it at any lower acceptance.
+    assert _linear_rows_profile(4, 1.0, 0.1, 3).ceiling(4, 1.1e-3, 1e-3) == pytest.approx(1.0)
+    assert _linear_rows_profile(4, 1.0, 0.1, 3).ceiling(4, 1.1e-3, 1e-3, acceptance=0.9) == 1.0
+
+
+def _profiled(profile: VerifyCostProfile, **kw) -> AdaptiveSpeculation:
+    ctl = AdaptiveSpeculation(k_max=3, explore_every=24, cost_profile=profile, **kw)
+    _feed_costs(ctl, (1e-3, 0.0), (1e-4, 0.0))  # the forward the profile measured: 1 ms
+    return ctl
+
+
+def test_a_bucket_where_no_k_could_pay_is_never_explored():
+    """Rows cost linearly past the batch (each k adds a forward): even an acceptance of 0.9
+    cannot beat off by the switch-on margin, so after off's first measurements the controller
+    stays at k = 0 without one exploration and stops keeping windows there. The same
+    controller with free verification explores."""
+    ctl = _profiled(_linear_rows_profile(4, 1.0, 0.05, 3))
+    ks, _ = _run(ctl, 4, lambda k: (4 * (1 + 0.9 * k), 1.1e-3 * (1 + k)), 400)
+    assert ks == [0] * 400
+    assert ctl.bucket(4) in ctl.ruled_out
+    assert len(ctl.rates[(ctl.bucket(4), 0)].steps) < 10  # no bookkeeping after the verdict
+    ctl = _profiled(_linear_rows_profile(4, 0.0, 0.05, 3))
+    ks, _ = _run(ctl, 4, lambda k: (4 * (1 + 0.9 * k), 1.1e-3 * (1 + 0.1 * k)), 400)
+    assert any(ks) and not ctl.ruled_out
+
+
+def test_a_ruled_out_bucket_returns_when_acceptance_measured_elsewhere_is_higher():
+    """Ruled out at the optimistic 0.9 (the ceiling there 1.045x, 1.16x at 1.0); rounds verified
+    at another batch size then accept every draft, and the bucket is weighed again: explored."""
+    ctl = _profiled(_linear_rows_profile(4, 0.85, 0.05, 3))
+    machine = lambda k: (4 * (1 + k), 1.1e-3 + 0.95e-3 * k)  # noqa: E731 (every draft accepted)
+    ks, _ = _run(ctl, 4, machine, 40)
+    assert ks == [0] * 40 and ctl.bucket(4) in ctl.ruled_out
+    for _ in range(40):
+        ctl.observe_round(3, 3, cap=3)
+    ks, _ = _run(ctl, 4, machine, 40)
+    assert any(ks) and ctl.bucket(4) not in ctl.ruled_out

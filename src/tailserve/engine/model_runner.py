@@ -41,6 +41,7 @@ from tailserve.sample.logits_processors import apply_logits_processors
 from tailserve.sample.rejection import RejectionSampler, greedy_rows, synthetic_rows
 from tailserve.sample.sampler import Sampler, SamplingTensors, fast_argmax, seeded_key
 from tailserve.sampling_params import SamplingParams
+from tailserve.speculative.adaptive import VerifyCostProfile
 from tailserve.speculative.proposer import ProposalInput, Proposer
 
 
@@ -191,6 +192,38 @@ class ModelRunner:
             st = SamplingTensors.from_params([params] * b, self.arch.vocab_size, self.device,
                                              self.sampler.kernels)
             self.sampler.sample(logits, st, [None] * b)
+
+    @torch.inference_mode()
+    def profile_verification(self, batch_sizes: list[int], k_caps: list[int], context_tokens: int = 64,
+                             repeats: int = 3) -> VerifyCostProfile:
+        """What verification costs as it widens a step (``VerifyCostProfile``), measured now, at
+        start-up: per batch size b (with its largest k), the forward of b sequences of 1 + k
+        rows after ``context_tokens`` cached ones, their logits and argmax, the median of
+        ``repeats`` after one untimed; and the proposer's round of k drafts for b requests.
+        Writes K/V only into the first blocks, free at start-up (as ``warm_up``)."""
+        bs, num_blocks = self.block_size, self.kv_caches[0].shape[1]
+        target: list[tuple[int, int, float]] = []
+        draft: list[tuple[int, int, float]] = []
+        for b, cap in zip(batch_sizes, k_caps):
+            for k in range(cap + 1):
+                q = 1 + k
+                ctx = context_tokens + q
+                per_seq = -(-ctx // bs)
+                if b * per_seq > num_blocks:
+                    break
+                tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]
+                positions = [p for _ in range(b) for p in range(context_tokens, ctx)]
+                times = []
+                for r in range(repeats + 1):
+                    t0 = time.perf_counter()
+                    hidden = self._forward([0] * (b * q), positions, [q] * b, [ctx] * b, tables, False)
+                    fast_argmax(self.model.compute_logits(hidden)).tolist()
+                    if r:
+                        times.append(time.perf_counter() - t0)
+                target.append((b, k, sorted(times)[len(times) // 2]))
+                if k and self.proposer is not None:
+                    draft.append((b, k, self.proposer.round_cost_s(tables, context_tokens + 1, k)))
+        return VerifyCostProfile(tuple(target), tuple(draft))
 
     # -- captured decodes ----------------------------------------------------------------------
     @torch.inference_mode()

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from tailserve.memory.allocator.control import AllocatorSettings
     from tailserve.memory.kv_sizing import MemoryProfile
     from tailserve.model.config import ModelArchConfig
+    from tailserve.speculative.adaptive import VerifyCostProfile
     from tailserve.speculative.suffix import SuffixCacheFigures
 
 
@@ -225,6 +226,9 @@ class WorkerInfo:
     has_proposer: bool
     plan: TargetPlan
     num_fused_layers: int = 0
+    # Verification's cost by batch size and k, measured at start-up for adaptive speculation
+    # (None: no proposer, a fixed k, or tensor parallelism).
+    verify_costs: VerifyCostProfile | None = None
 
 
 class ModelExecutor(Protocol):

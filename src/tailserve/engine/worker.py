@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
+import time
 
 import torch
 
@@ -50,6 +51,7 @@ from tailserve.model.linear import (
 from tailserve.model.llama import TORCH_OPS, FusedDecodeLayer, KernelLayerOps, LayerOps, fuse_decode_layers
 from tailserve.model.loader import load_model
 from tailserve.sample.sampler import Sampler
+from tailserve.speculative.adaptive import VerifyCostProfile
 from tailserve.speculative.draft_step import make_draft_step
 from tailserve.speculative.proposer import DraftModelProposer, HybridProposer, NgramProposer, Proposer
 from tailserve.speculative.suffix import SuffixConfig, SuffixProposer
@@ -181,13 +183,37 @@ class Worker:
         self.graph_capture_s: float | None = None
         if plan.decode_graph_sizes:
             self.graph_capture_s = self.capture_decode_graphs(list(plan.decode_graph_sizes))
+        self.verify_costs: VerifyCostProfile | None = None
+        if proposer is not None and config.num_speculative_tokens is None and tp.size == 1:
+            self.verify_costs = self._profile_verification(plan.max_verify_rows)
         self.info = WorkerInfo(
             arch=self.arch, model_dir=self.model_dir, max_model_len=max_len, num_blocks=self.num_blocks,
             block_size=config.block_size, kv_bytes_per_block=self.kv_bytes_per_block, dtype=self.dtype,
             dtype_reason=self.dtype_reason, device=device, allocator_settings=self.allocator_settings,
             memory_profile=self.memory_profile, decode_graph_sizes=tuple(sorted(self.runner.decode_graphs)),
             graph_capture_s=self.graph_capture_s, has_proposer=proposer is not None, plan=plan,
-            num_fused_layers=self.num_fused_layers)
+            num_fused_layers=self.num_fused_layers, verify_costs=self.verify_costs)
+
+    def _profile_verification(self, max_rows: int | None) -> VerifyCostProfile:
+        """The adaptive controller's start-up profile (``ModelRunner.profile_verification``) at
+        the batch sizes that top its buckets (1, 2, 4, ... up to max_num_seqs's), each up to
+        the largest k its rows allow. ~0.2 s for the built-in pair on 2 CPU cores."""
+        k_max = self.config.speculative_max_tokens
+        sizes, caps, b = [], [], 1
+        while True:
+            cap = k_max if max_rows is None else min(k_max, max_rows // b - 1)
+            if cap <= 0:
+                break
+            sizes.append(b)
+            caps.append(cap)
+            if b >= self.config.max_num_seqs:
+                break
+            b *= 2
+        t0 = time.perf_counter()
+        profile = self.runner.profile_verification(sizes, caps)
+        log.info("verification profile (%d shapes, batch sizes %s) in %.2f s", len(profile.target_s), sizes,
+                 time.perf_counter() - t0)
+        return profile
 
     def capture_decode_graphs(self, batch_sizes: list[int]) -> float:
         """Capture decodes at these batch sizes (``ModelRunner.capture_decode_graphs``); the

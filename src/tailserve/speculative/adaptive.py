@@ -121,6 +121,42 @@ class LinearCostModel:
         return alpha + beta * tokens
 
 
+@dataclass(frozen=True)
+class VerifyCostProfile:
+    """What a step costs as verification widens it, measured once at start-up (the worker's
+    ``ModelRunner.profile_verification``): the target's forward, logits and argmax for ``b``
+    sequences of ``1 + k`` rows each, and the proposer's round of ``k`` drafts for ``b``
+    requests (0 for lookups, which cost next to nothing). The controller reads it for one
+    bound: what speculation could give at a batch size at a given acceptance."""
+
+    target_s: tuple[tuple[int, int, float], ...]  # (b, k, seconds)
+    draft_s: tuple[tuple[int, int, float], ...] = ()  # (b, k, seconds); absent: drafting costs nothing
+
+    def ceiling(self, num_seqs: int, off_step_s: float, forward_s: float, acceptance: float = 1.0) -> float | None:
+        """The most tokens/s any profiled k could reach at ``num_seqs`` decoding requests, as a
+        multiple of a k = 0 step that took ``off_step_s`` in all, ``forward_s`` of it the
+        target's forward and sampling, with each draft accepted with probability
+        ``acceptance`` (1: every one). A round of k drafts emits (1 - a^(k+1)) / (1 - a) tokens
+        a request (Leviathan et al.); its step is the off step with the forward replaced by
+        the profiled forward at 1 + k rows a request plus the profiled round of k drafts, both
+        scaled by the running engine's forward over the profiled one (the machine now against
+        the machine at start-up, and the step's sampling, which the profile leaves out). None
+        where ``num_seqs`` was not profiled."""
+        target = {k: s for b, k, s in self.target_s if b == num_seqs}
+        if 0 not in target:
+            return None
+        draft = {k: s for b, k, s in self.draft_s if b == num_seqs}
+        scale = forward_s / target[0]
+        a = min(max(acceptance, 0.0), 1.0)
+        best = 1.0
+        for k in sorted(target):
+            if k > 0:
+                tokens = k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+                on_s = off_step_s - forward_s + (target[k] + draft.get(k, 0.0)) * scale
+                best = max(best, tokens * off_step_s / max(on_s, 1e-9))
+        return best
+
+
 @dataclass
 class _Share:
     """A forgotten-weighted share: hits / trials, in the controller's current units."""
@@ -311,6 +347,16 @@ class AdaptiveSpeculation:
     _admissions: dict[int, _Admissions] = field(default_factory=dict)  # per batch bucket
     decide_every: int = 8  # steps a bucket's decision holds (explorations still come when due)
     _held: dict[int, list[int]] = field(default_factory=dict)  # per bucket: [k, steps it still holds]
+    # The start-up profile of verification's cost (None: none taken; every bucket explores).
+    # Buckets where even every draft accepted could not reach switch_on_margin above off are
+    # ruled out: k = 0 there with no exploration and no bookkeeping (see ``_cannot_pay``).
+    cost_profile: VerifyCostProfile | None = None
+    # The acceptance the bound assumes: this, weighted as ``acceptance_prior`` is (4 rounds),
+    # pooled with the rounds verified so far: optimistic while none is (0.6-0.8 is typical of
+    # a draft model), what was measured once many are.
+    ceiling_acceptance_prior: float = 0.9
+    ruled_out: dict[int, int] = field(default_factory=dict)  # bucket -> rounds verified at the verdict
+    _rounds_verified: int = 0
 
     def __post_init__(self) -> None:
         n = self.k_max + 1
@@ -341,6 +387,7 @@ class AdaptiveSpeculation:
             return
         cap = num_drafts if cap is None else cap
         self._expected = None
+        self._rounds_verified += 1
         self._unit /= self.forget
         if self._unit > 1e100:  # rescale long before float range runs out
             for shares in (self._go, self._acc, self._more):
@@ -416,6 +463,8 @@ class AdaptiveSpeculation:
         if self._probe is not None:
             self._cost_exploration(num_tokens, seconds)
         bkt = self.bucket(num_decoding, greedy)
+        if bkt in self.ruled_out:
+            return  # k = 0 for good here: nothing to compare
         adm = self._admissions.get(bkt)
         if adm is None:
             adm = self._admissions[bkt] = _Admissions()
@@ -505,6 +554,13 @@ class AdaptiveSpeculation:
             # to the old one. Carried over, the k = 8 of a batch-1 exploration at a load's tail
             # ran as k = 3 over the next load's four fresh requests (0.84x of off there).
             self._explore_left = 0
+        if bkt in self.ruled_out:
+            # Ruled out until rounds verified elsewhere (other batch sizes) move the acceptance
+            # the bound assumes: checked again after every 16.
+            if self._rounds_verified < self.ruled_out[bkt] + 16 or self._cannot_pay(bkt, num_decoding):
+                return self._set(0, num_decoding)
+            del self.ruled_out[bkt]
+            self._held.pop(bkt, None)
         since = self._since_explore.get(bkt, 0) + 1
         due = since >= max(self.explore_every * self._backoff.get(bkt, 1), self._min_interval.get(bkt, 0))
         held = self._held.get(bkt)
@@ -521,6 +577,10 @@ class AdaptiveSpeculation:
         off = self.measured_rate(num_decoding, 0)
         if off is None or not self.target_cost.ready:
             return self._explore(0, bkt, num_decoding)  # measured first: speculation off
+        if self._cannot_pay(bkt, num_decoding):
+            self.ruled_out[bkt] = self._rounds_verified
+            self._decided[bkt] = 0
+            return self._set(0, num_decoding)
         if not self.draft_cost.ready:
             return self._explore(1, bkt, num_decoding)  # the draft's cost, at the cheapest k
         self._since_explore[bkt] = since
@@ -577,6 +637,28 @@ class AdaptiveSpeculation:
         self._decided[bkt] = k
         self._held[bkt] = [k, self.decide_every - 1]
         return self._set(k, num_decoding)
+
+    def _cannot_pay(self, bkt: int, num_decoding: int) -> bool:
+        """Whether the start-up profile says no k can beat off by ``switch_on_margin`` in this
+        bucket at an optimistic acceptance (``ceiling_acceptance_prior`` pooled with the rounds
+        verified; the bucket's largest batch size profiled; off's measured step). Then
+        exploring only costs: on 2 AVX-512 cores the built-in target's verification step at
+        batch 4 cost 1.75x an off step at k = 1 and 3.1x at k = 3 (the fused layer's products
+        cost about linearly in rows past four), and the one exploration a cold run made (its
+        steps, the draft's catch-up over the prompts, the requests of a wave finishing apart)
+        was most of a 5-7% loss to speculation off. The bound is the policy's own switch-on
+        rule at a better acceptance than measured: a bucket it rules out would not have
+        switched on. Goodput is no different: a step that emits no more tokens a second
+        keeps no more requests within a TPOT bound."""
+        profile = self.cost_profile
+        if profile is None:
+            return False
+        top = 1 << max(num_decoding - 1, 0).bit_length()  # the bucket's largest batch size
+        acceptance = self._pooled(self._acc, self.ceiling_acceptance_prior)
+        off_s = self.rates[(bkt, 0)].per_step()[1]
+        forward_s = min(self.target_cost.predict(num_decoding), off_s)
+        ceiling = profile.ceiling(top, off_s, forward_s, acceptance)
+        return ceiling is not None and ceiling < 1.0 + self.switch_on_margin
 
     def goodput(self, num_decoding: int, k: int, state: SloState) -> float | None:
         """Predicted tokens/s of the requests that still meet the bounds after one step with

@@ -8,6 +8,7 @@ drafts to make (``k``, 0 = catch up only).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -75,6 +76,11 @@ class Proposer(Protocol):
     def cache_figures(self) -> SuffixCacheFigures | None:
         """Suffix decoding's global cache (None: this proposer keeps none)."""
 
+    def round_cost_s(self, block_ids: list[list[int]], context_tokens: int, k: int) -> float:
+        """Seconds of one steady round of ``k`` drafts for ``len(block_ids)`` requests of
+        ``context_tokens`` tokens, measured now (at start-up: it may write K/V into these
+        blocks); where drafting has several sources, the least a round can cost (0 for lookups)."""
+
 
 class LookupProposer:
     """A proposer that looks drafts up in text (``propose_one(tokens, k)``): no model, one-hot
@@ -88,6 +94,9 @@ class LookupProposer:
 
     def propose_input(self, inp: ProposalInput) -> list[int]:
         return self.propose_one(inp.all_token_ids[: inp.num_valid], inp.k)
+
+    def round_cost_s(self, block_ids: list[list[int]], context_tokens: int, k: int) -> float:
+        return 0.0  # a lookup per request: microseconds beside a forward
 
     def propose(self, inputs: list[ProposalInput]) -> Proposal:
         drafts = {i.request_id: self.propose_input(i) for i in inputs}
@@ -207,6 +216,26 @@ class DraftModelProposer:
 
     def cache_figures(self) -> SuffixCacheFigures | None:
         return None
+
+    @torch.inference_mode()
+    def round_cost_s(self, block_ids: list[list[int]], context_tokens: int, k: int, repeats: int = 3) -> float:
+        """A steady round (``propose`` after one accepted token a request: the catch-up forward,
+        then the chain) of greedy requests, with the stop margin off so that all ``k`` drafts
+        are made: the median of ``repeats`` after one untimed."""
+        params = SamplingParams(temperature=0.0)
+        inputs = [ProposalInput(f"profile-{i}", [0] * context_tokens, context_tokens - 1, context_tokens, table, k,
+                                params, None) for i, table in enumerate(block_ids)]
+        margin, self.stop_margin = self.stop_margin, 0.0
+        times = []
+        try:
+            for r in range(repeats + 1):
+                t0 = time.perf_counter()
+                self.propose(inputs)
+                if r:
+                    times.append(time.perf_counter() - t0)
+        finally:
+            self.stop_margin = margin
+        return sorted(times)[len(times) // 2]
 
     def propose(self, inputs: list[ProposalInput]) -> Proposal:
         seen = {i.request_id: i.num_seen for i in inputs}
@@ -461,6 +490,9 @@ class HybridProposer:
     def observe_finished(self, token_ids: list[int], num_prompt_tokens: int) -> None:
         for lk in self.lookups:
             lk.observe_finished(token_ids, num_prompt_tokens)
+
+    def round_cost_s(self, block_ids: list[list[int]], context_tokens: int, k: int) -> float:
+        return 0.0  # a lookup may supply every draft: the least a round costs
 
     def cache_figures(self) -> SuffixCacheFigures | None:
         return next((f for f in (lk.cache_figures() for lk in self.lookups) if f is not None), None)
