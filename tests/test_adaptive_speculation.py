@@ -106,8 +106,13 @@ def test_forgetting_survives_a_long_run():
 
 
 def _steady(ctl, b, k, tokens, seconds, steps=4):
-    """Feed ``steps`` steady steps at batch b with k (forcing the choice) and their throughput."""
+    """Feed ``steps`` steady steps at batch b with k (forcing the choice) and their throughput;
+    an off stretch first passes the settling steps the controller leaves out of its window
+    after drafts (``off_settle_steps``)."""
+    if k == 0:
+        ctl._steps += ctl.off_settle_steps + 1
     for _ in range(steps):
+        ctl._steps += 1
         ctl._set(k, b)
         ctl.observe_throughput(tokens, seconds, *ctl.last_round)
 
@@ -282,7 +287,8 @@ def _measured(b, rates_by_k, objective="goodput", model_says_off=False, **slo):
         ctl.observe_round(1 if model_says_off else 4, 4, cap=6)
     _feed_costs(ctl, (3e-3, 1e-3) if model_says_off else (3e-3, 1e-7), (5e-4, 1e-5) if model_says_off else (5e-4, 1e-7))
     assert (ctl._model_choice(b)[0] == 0) == model_says_off
-    for k, (tokens, seconds) in rates_by_k.items():
+    # Off last: switching on needs off measured after the candidates.
+    for k, (tokens, seconds) in sorted(rates_by_k.items(), reverse=True):
         _steady(ctl, b, k, tokens=tokens, seconds=seconds)
     ctl._set(0, b)
     return ctl
@@ -509,3 +515,23 @@ def test_a_ruled_out_bucket_returns_when_acceptance_measured_elsewhere_is_higher
         ctl.observe_round(3, 3, cap=3)
     ks, _ = _run(ctl, 4, machine, 40)
     assert any(ks) and ctl.bucket(4) not in ctl.ruled_out
+
+
+def test_off_steps_right_after_drafts_stay_out_of_offs_window():
+    """Off's first steady steps after speculation ran slower than its later ones: they are not
+    off's rate. The steps of a stretch are reported one per step, as the engine does."""
+    ctl = AdaptiveSpeculation(k_max=4)
+    for step_s in (2e-3, 2e-3):  # two steps with drafts
+        ctl._steps += 1
+        ctl._set(2, 1)
+        ctl.observe_throughput(3, step_s, *ctl.last_round)
+    for step_s in (5e-3, 1.5e-3, 1.2e-3, 1e-3, 1e-3, 1e-3):  # then off, settling
+        ctl._steps += 1
+        ctl._set(0, 1)
+        ctl.observe_throughput(1, step_s, *ctl.last_round)
+    window = ctl.rates[(ctl.bucket(1), 0)]
+    assert [s[1] for s in window.steps] == [1e-3, 1e-3, 1e-3]
+    # Off explored while speculating lasts those steps longer than another k's exploration.
+    ctl._decided[ctl.bucket(1)] = 2
+    ctl._explore(0, ctl.bucket(1), 1)
+    assert ctl._explore_left == ctl.explore_len - 1 + ctl.off_settle_steps

@@ -307,6 +307,13 @@ class AdaptiveSpeculation:
     # The first step after a switch is not steady and the last is reported after the next
     # choice: 3 measured steps when it ends.
     explore_len: int = 5
+    # Off's first steady steps after speculation ran slower than its later ones (built-in
+    # pair, batch 1, AVX-512: 1.12, 0.98, 0.94, 0.90 ms, then 0.83-0.86): measured in off's
+    # probes alone while speculating, off read ~17% slow and k = 1 stayed on at 0.83x of off.
+    # So off's first ``off_settle_steps`` steady steps after a step with drafts stay out of its
+    # window, and off's probes while speculating last that much longer.
+    off_settle_steps: int = 2
+    _last_spec_step: int = -(10**9)  # the controller's step count at the last step reported with k > 0
     switch_margin: float = 0.05  # speculation stays on only while measured >= 5% above off
     # ... and switches on at 7% above: twice the margin (before the windows' noise was taken
     # out) kept k = 1, 1.2x off at batch 1, off for most of a cold run (AVX2, built-in pair).
@@ -462,6 +469,8 @@ class AdaptiveSpeculation:
             return
         if self._probe is not None:
             self._cost_exploration(num_tokens, seconds)
+        if k > 0:
+            self._last_spec_step = self._steps
         bkt = self.bucket(num_decoding, greedy)
         if bkt in self.ruled_out:
             return  # k = 0 for good here: nothing to compare
@@ -471,6 +480,8 @@ class AdaptiveSpeculation:
         adm.observe(num_tokens, not decode_only, k, seconds, propose_s)
         if not decode_only or not steady:
             return
+        if k == 0 and self._steps - self._last_spec_step <= 1 + self.off_settle_steps:
+            return  # the first off steps after drafts (the very first is not steady)
         key = (bkt, k)
         window = self.rates.get(key)
         if window is None:
@@ -719,7 +730,8 @@ class AdaptiveSpeculation:
         """Run ``k`` for the next ``explore_len`` steps (this one included)."""
         self._held.pop(bucket, None)  # the choice after it is made afresh
         self._explore_k, self._explore_bucket = k, bucket
-        self._explore_left = self.explore_len - 1
+        settle = self.off_settle_steps if k == 0 and self._decided.get(bucket, 0) > 0 else 0
+        self._explore_left = self.explore_len - 1 + settle
         if self._probe is not None:  # its last reports would be this exploration's steps
             self._end_probe()
         window = self.rates.get((bucket, self._decided.get(bucket, 0)))
