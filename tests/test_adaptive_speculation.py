@@ -477,6 +477,11 @@ def test_the_ceiling_is_the_geometric_speed_up_on_the_profiled_costs():
     # The engine runs twice as slow as the profile: the profiled costs scale with it.
     assert profile.ceiling(1, 2.2e-3, 2e-3) == pytest.approx(3 * 2.2 / (0.2 + 2 * 1.2))
     assert profile.ceiling(4, 1.2e-3, 1e-3) is None  # not profiled
+    # Sampled requests take their own costs where profiled (a dearer verification here).
+    both = VerifyCostProfile(profile.target_s, profile.draft_s, ((1, 0, 1e-3), (1, 1, 1.5e-3), (1, 2, 2e-3)),
+                             ((1, 1, 0.1e-3), (1, 2, 0.2e-3)))
+    assert both.ceiling(1, 1.2e-3, 1e-3, greedy=False) == pytest.approx(max(2 * 1.2 / 1.8, 3 * 1.2 / 2.4))
+    assert both.ceiling(1, 1.2e-3, 1e-3, greedy=True) == pytest.approx(3 * 1.2 / 1.4)
     # Each k adds a whole forward and its drafts: at best even with off (k = 1, all accepted),
     # and below it at any lower acceptance.
     assert _linear_rows_profile(4, 1.0, 0.1, 3).ceiling(4, 1.1e-3, 1e-3) == pytest.approx(1.0)

@@ -538,13 +538,16 @@ def test_adaptive_speculation_starts_with_a_profile_of_verification(llama_checkp
     assert profile is llm.engine.scheduler.speculation.cost_profile
     assert sorted((b, k) for b, k, _ in profile.target_s) == [(b, k) for b in (1, 2, 4) for k in range(4)]
     assert sorted((b, k) for b, k, _ in profile.draft_s) == [(b, k) for b in (1, 2, 4) for k in range(1, 4)]
-    assert all(s > 0 for *_, s in profile.target_s + profile.draft_s)
+    assert [(b, k) for b, k, _ in profile.sampled_target_s] == [(b, k) for b, k, _ in profile.target_s]
+    assert [(b, k) for b, k, _ in profile.sampled_draft_s] == [(b, k) for b, k, _ in profile.draft_s]
+    assert all(s > 0 for *_, s in profile.target_s + profile.draft_s + profile.sampled_target_s
+               + profile.sampled_draft_s)
     draft = {(b, k): s for b, k, s in profile.draft_s}
     assert draft[(1, 3)] > draft[(1, 1)]  # a longer chain costs more
     # The profile wrote into blocks no request owns yet: output as without it.
     ref = LLM(str(path), **kw).generate(_prompts(), GREEDY)
     assert [o.token_ids for o in llm.generate(_prompts(), GREEDY)] == [o.token_ids for o in ref]
     ngram = LLM(str(path), speculative_method="ngram", speculative_max_tokens=3, **kw).engine.core.info.verify_costs
-    assert all(s == 0.0 for *_, s in ngram.draft_s)
+    assert all(s == 0.0 for *_, s in ngram.draft_s + ngram.sampled_draft_s)
     fixed = LLM(str(path), speculative_model=str(draft_checkpoint), num_speculative_tokens=2, **kw)
     assert fixed.engine.core.info.verify_costs is None

@@ -198,32 +198,67 @@ class ModelRunner:
                              repeats: int = 3) -> VerifyCostProfile:
         """What verification costs as it widens a step (``VerifyCostProfile``), measured now, at
         start-up: per batch size b (with its largest k), the forward of b sequences of 1 + k
-        rows after ``context_tokens`` cached ones, their logits and argmax, the median of
-        ``repeats`` after one untimed; and the proposer's round of k drafts for b requests.
+        rows after ``context_tokens`` cached ones and their logits, then the verification
+        (an argmax for greedy requests; for sampled ones, at temperature 1, the sampler or the
+        rejection sampler against a flat q), each the median of ``repeats`` after one
+        untimed; and the proposer's round of k drafts for b requests, greedy and sampled.
         Writes K/V only into the first blocks, free at start-up (as ``warm_up``)."""
         bs, num_blocks = self.block_size, self.kv_caches[0].shape[1]
-        target: list[tuple[int, int, float]] = []
-        draft: list[tuple[int, int, float]] = []
+        sampled_params = SamplingParams(temperature=1.0)
+        cols: dict[str, list[tuple[int, int, float]]] = {"greedy": [], "sampled": [], "draft": [], "draft_sampled": []}
         for b, cap in zip(batch_sizes, k_caps):
             for k in range(cap + 1):
-                q = 1 + k
-                ctx = context_tokens + q
-                per_seq = -(-ctx // bs)
+                per_seq = -(-(context_tokens + 1 + k) // bs)
                 if b * per_seq > num_blocks:
                     break
                 tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]
-                positions = [p for _ in range(b) for p in range(context_tokens, ctx)]
-                times = []
-                for r in range(repeats + 1):
-                    t0 = time.perf_counter()
-                    hidden = self._forward([0] * (b * q), positions, [q] * b, [ctx] * b, tables, False)
-                    fast_argmax(self.model.compute_logits(hidden)).tolist()
-                    if r:
-                        times.append(time.perf_counter() - t0)
-                target.append((b, k, sorted(times)[len(times) // 2]))
+                forward_s, greedy_s, sampled_s = self._profile_step(tables, context_tokens, k, sampled_params,
+                                                                    repeats)
+                cols["greedy"].append((b, k, forward_s))
+                cols["sampled"].append((b, k, forward_s - greedy_s + sampled_s))
                 if k and self.proposer is not None:
-                    draft.append((b, k, self.proposer.round_cost_s(tables, context_tokens + 1, k)))
-        return VerifyCostProfile(tuple(target), tuple(draft))
+                    cols["draft"].append((b, k, self.proposer.round_cost_s(tables, context_tokens + 1, k)))
+                    cols["draft_sampled"].append((b, k, self.proposer.round_cost_s(
+                        tables, context_tokens + 1, k, sampled_params)))
+        return VerifyCostProfile(tuple(cols["greedy"]), tuple(cols["draft"]), tuple(cols["sampled"]),
+                                 tuple(cols["draft_sampled"]))
+
+    def _profile_step(self, tables: list[list[int]], context_tokens: int, k: int, sampled_params: SamplingParams,
+                      repeats: int) -> tuple[float, float, float]:
+        """(forward with logits and argmax, the greedy verification alone, the sampled one
+        alone) for ``len(tables)`` sequences of 1 + k rows; medians of ``repeats``."""
+        b, q = len(tables), 1 + k
+        ctx = context_tokens + q
+        positions = [p for _ in range(b) for p in range(context_tokens, ctx)]
+        st_t = SamplingTensors.from_params([sampled_params] * b, self.arch.vocab_size, self.device,
+                                           self.sampler.kernels)
+        drafts = [[0] * k for _ in range(b)]
+        flat_q = [torch.full((k, self.arch.vocab_size), 1.0 / self.arch.vocab_size, device=self.device)
+                  for _ in range(b)]
+        out = {"forward": [], "greedy": [], "sampled": []}
+        for r in range(repeats + 1):
+            t0 = time.perf_counter()
+            hidden = self._forward([0] * (b * q), positions, [q] * b, [ctx] * b, tables, False)
+            logits = self.model.compute_logits(hidden)  # (b * q, V)
+            fast_argmax(logits).tolist()
+            t1 = time.perf_counter()
+            if k:
+                greedy_rows(logits, [k] * b, drafts)
+            else:
+                fast_argmax(logits).tolist()
+            t2 = time.perf_counter()
+            if k:
+                self.rejection_sampler(logits, [k] * b, drafts, flat_q, st_t, [None] * b)
+            else:
+                self.sampler.sample(logits, st_t, [None] * b).tolist()
+            t3 = time.perf_counter()
+            if r:
+                out["forward"].append(t1 - t0)
+                out["greedy"].append(t2 - t1)
+                out["sampled"].append(t3 - t2)
+        med = {name: sorted(v)[len(v) // 2] for name, v in out.items()}
+        # The forward's own argmax stands in for a greedy verification's cost.
+        return med["forward"], med["greedy"], med["sampled"]
 
     # -- captured decodes ----------------------------------------------------------------------
     @torch.inference_mode()

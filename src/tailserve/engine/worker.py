@@ -197,7 +197,7 @@ class Worker:
     def _profile_verification(self, max_rows: int | None) -> VerifyCostProfile:
         """The adaptive controller's start-up profile (``ModelRunner.profile_verification``) at
         the batch sizes that top its buckets (1, 2, 4, ... up to max_num_seqs's), each up to
-        the largest k its rows allow. ~0.2 s for the built-in pair on 2 CPU cores."""
+        the largest k its rows allow. 0.3-0.5 s for the built-in pair on 2 CPU cores."""
         k_max = self.config.speculative_max_tokens
         sizes, caps, b = [], [], 1
         while True:

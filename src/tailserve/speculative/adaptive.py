@@ -129,10 +129,15 @@ class VerifyCostProfile:
     requests (0 for lookups, which cost next to nothing). The controller reads it for one
     bound: what speculation could give at a batch size at a given acceptance."""
 
-    target_s: tuple[tuple[int, int, float], ...]  # (b, k, seconds)
+    target_s: tuple[tuple[int, int, float], ...]  # (b, k, seconds), greedy requests
     draft_s: tuple[tuple[int, int, float], ...] = ()  # (b, k, seconds); absent: drafting costs nothing
+    # The same for sampled requests (the sampler or rejection sampler, the draft's q); empty:
+    # as greedy.
+    sampled_target_s: tuple[tuple[int, int, float], ...] = ()
+    sampled_draft_s: tuple[tuple[int, int, float], ...] = ()
 
-    def ceiling(self, num_seqs: int, off_step_s: float, forward_s: float, acceptance: float = 1.0) -> float | None:
+    def ceiling(self, num_seqs: int, off_step_s: float, forward_s: float, acceptance: float = 1.0,
+                greedy: bool = True) -> float | None:
         """The most tokens/s any profiled k could reach at ``num_seqs`` decoding requests, as a
         multiple of a k = 0 step that took ``off_step_s`` in all, ``forward_s`` of it the
         target's forward and sampling, with each draft accepted with probability
@@ -140,12 +145,13 @@ class VerifyCostProfile:
         a request (Leviathan et al.); its step is the off step with the forward replaced by
         the profiled forward at 1 + k rows a request plus the profiled round of k drafts, both
         scaled by the running engine's forward over the profiled one (the machine now against
-        the machine at start-up, and the step's sampling, which the profile leaves out). None
-        where ``num_seqs`` was not profiled."""
-        target = {k: s for b, k, s in self.target_s if b == num_seqs}
+        the machine at start-up). ``greedy``: the costs of a batch of greedy requests, else of
+        sampled ones. None where ``num_seqs`` was not profiled."""
+        sampled = not greedy and self.sampled_target_s
+        target = {k: s for b, k, s in (self.sampled_target_s if sampled else self.target_s) if b == num_seqs}
         if 0 not in target:
             return None
-        draft = {k: s for b, k, s in self.draft_s if b == num_seqs}
+        draft = {k: s for b, k, s in (self.sampled_draft_s if sampled else self.draft_s) if b == num_seqs}
         scale = forward_s / target[0]
         a = min(max(acceptance, 0.0), 1.0)
         best = 1.0
@@ -668,7 +674,7 @@ class AdaptiveSpeculation:
         acceptance = self._pooled(self._acc, self.ceiling_acceptance_prior)
         off_s = self.rates[(bkt, 0)].per_step()[1]
         forward_s = min(self.target_cost.predict(num_decoding), off_s)
-        ceiling = profile.ceiling(top, off_s, forward_s, acceptance)
+        ceiling = profile.ceiling(top, off_s, forward_s, acceptance, self._greedy)
         return ceiling is not None and ceiling < 1.0 + self.switch_on_margin
 
     def goodput(self, num_decoding: int, k: int, state: SloState) -> float | None:

@@ -76,10 +76,12 @@ class Proposer(Protocol):
     def cache_figures(self) -> SuffixCacheFigures | None:
         """Suffix decoding's global cache (None: this proposer keeps none)."""
 
-    def round_cost_s(self, block_ids: list[list[int]], context_tokens: int, k: int) -> float:
+    def round_cost_s(self, block_ids: list[list[int]], context_tokens: int, k: int,
+                     params: SamplingParams | None = None) -> float:
         """Seconds of one steady round of ``k`` drafts for ``len(block_ids)`` requests of
-        ``context_tokens`` tokens, measured now (at start-up: it may write K/V into these
-        blocks); where drafting has several sources, the least a round can cost (0 for lookups)."""
+        ``context_tokens`` tokens with these sampling parameters (default greedy), measured now
+        (at start-up: it may write K/V into these blocks); where drafting has several sources,
+        the least a round can cost (0 for lookups)."""
 
 
 class LookupProposer:
@@ -95,7 +97,8 @@ class LookupProposer:
     def propose_input(self, inp: ProposalInput) -> list[int]:
         return self.propose_one(inp.all_token_ids[: inp.num_valid], inp.k)
 
-    def round_cost_s(self, block_ids: list[list[int]], context_tokens: int, k: int) -> float:
+    def round_cost_s(self, block_ids: list[list[int]], context_tokens: int, k: int,
+                     params: SamplingParams | None = None) -> float:
         return 0.0  # a lookup per request: microseconds beside a forward
 
     def propose(self, inputs: list[ProposalInput]) -> Proposal:
@@ -218,11 +221,12 @@ class DraftModelProposer:
         return None
 
     @torch.inference_mode()
-    def round_cost_s(self, block_ids: list[list[int]], context_tokens: int, k: int, repeats: int = 3) -> float:
+    def round_cost_s(self, block_ids: list[list[int]], context_tokens: int, k: int,
+                     params: SamplingParams | None = None, repeats: int = 3) -> float:
         """A steady round (``propose`` after one accepted token a request: the catch-up forward,
-        then the chain) of greedy requests, with the stop margin off so that all ``k`` drafts
-        are made: the median of ``repeats`` after one untimed."""
-        params = SamplingParams(temperature=0.0)
+        then the chain; q and the draws for sampled ``params``), with the stop margin off so
+        that all ``k`` drafts are made: the median of ``repeats`` after one untimed."""
+        params = params or SamplingParams(temperature=0.0)
         inputs = [ProposalInput(f"profile-{i}", [0] * context_tokens, context_tokens - 1, context_tokens, table, k,
                                 params, None) for i, table in enumerate(block_ids)]
         margin, self.stop_margin = self.stop_margin, 0.0
@@ -491,7 +495,8 @@ class HybridProposer:
         for lk in self.lookups:
             lk.observe_finished(token_ids, num_prompt_tokens)
 
-    def round_cost_s(self, block_ids: list[list[int]], context_tokens: int, k: int) -> float:
+    def round_cost_s(self, block_ids: list[list[int]], context_tokens: int, k: int,
+                     params: SamplingParams | None = None) -> float:
         return 0.0  # a lookup may supply every draft: the least a round costs
 
     def cache_figures(self) -> SuffixCacheFigures | None:
