@@ -194,13 +194,18 @@ class Worker:
             graph_capture_s=self.graph_capture_s, has_proposer=proposer is not None, plan=plan,
             num_fused_layers=self.num_fused_layers, verify_costs=self.verify_costs)
 
+    PROFILE_MAX_BATCH = 64
+
     def _profile_verification(self, max_rows: int | None) -> VerifyCostProfile:
         """The adaptive controller's start-up profile (``ModelRunner.profile_verification``) at
         the batch sizes that top its buckets (1, 2, 4, ... up to max_num_seqs's), each up to
-        the largest k its rows allow. 0.3-0.5 s for the built-in pair on 2 CPU cores."""
+        the largest k its rows allow, up to batch 64 (larger buckets go unprofiled: the
+        controller explores there as without a profile, and a device with no row limit would
+        spend seconds on shapes of thousands of rows). 0.3-0.5 s for the built-in pair on 2 CPU
+        cores."""
         k_max = self.config.speculative_max_tokens
         sizes, caps, b = [], [], 1
-        while True:
+        while b <= self.PROFILE_MAX_BATCH:
             cap = k_max if max_rows is None else min(k_max, max_rows // b - 1)
             if cap <= 0:
                 break
