@@ -516,7 +516,10 @@ def test_a_ruled_out_bucket_returns_when_acceptance_measured_elsewhere_is_higher
     machine = lambda k: (4 * (1 + k), 1.1e-3 + 0.95e-3 * k)  # noqa: E731 (every draft accepted)
     ks, _ = _run(ctl, 4, machine, 40)
     assert ks == [0] * 40 and ctl.bucket(4) in ctl.ruled_out
-    for _ in range(40):
+    for _ in range(16):  # rounds elsewhere that reject every draft: weighed once, still out
+        ctl.observe_round(0, 3, cap=3)
+    assert _run(ctl, 4, machine, 4)[0] == [0] * 4 and ctl.ruled_out[ctl.bucket(4)] == ctl._rounds_verified
+    for _ in range(120):  # then rounds that accept every draft, long enough to outweigh those
         ctl.observe_round(3, 3, cap=3)
     ks, _ = _run(ctl, 4, machine, 40)
     assert any(ks) and ctl.bucket(4) not in ctl.ruled_out

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -256,9 +257,7 @@ class ModelRunner:
                 out["forward"].append(t1 - t0)
                 out["greedy"].append(t2 - t1)
                 out["sampled"].append(t3 - t2)
-        med = {name: sorted(v)[len(v) // 2] for name, v in out.items()}
-        # The forward's own argmax stands in for a greedy verification's cost.
-        return med["forward"], med["greedy"], med["sampled"]
+        return statistics.median(out["forward"]), statistics.median(out["greedy"]), statistics.median(out["sampled"])
 
     # -- captured decodes ----------------------------------------------------------------------
     @torch.inference_mode()

@@ -361,8 +361,8 @@ class AdaptiveSpeculation:
     decide_every: int = 8  # steps a bucket's decision holds (explorations still come when due)
     _held: dict[int, list[int]] = field(default_factory=dict)  # per bucket: [k, steps it still holds]
     # The start-up profile of verification's cost (None: none taken; every bucket explores).
-    # Buckets where even every draft accepted could not reach switch_on_margin above off are
-    # ruled out: k = 0 there with no exploration and no bookkeeping (see ``_cannot_pay``).
+    # Buckets where no k could reach switch_on_margin above off at an optimistic acceptance
+    # are ruled out: k = 0 there with no exploration and no bookkeeping (see ``_cannot_pay``).
     cost_profile: VerifyCostProfile | None = None
     # The acceptance the bound assumes: this, weighted as ``acceptance_prior`` is (4 rounds),
     # pooled with the rounds verified so far: optimistic while none is (0.6-0.8 is typical of
@@ -573,8 +573,11 @@ class AdaptiveSpeculation:
             self._explore_left = 0
         if bkt in self.ruled_out:
             # Ruled out until rounds verified elsewhere (other batch sizes) move the acceptance
-            # the bound assumes: checked again after every 16.
-            if self._rounds_verified < self.ruled_out[bkt] + 16 or self._cannot_pay(bkt, num_decoding):
+            # the bound assumes: weighed again once every 16 of them, not every step.
+            if self._rounds_verified < self.ruled_out[bkt] + 16:
+                return self._set(0, num_decoding)
+            if self._cannot_pay(bkt, num_decoding):
+                self.ruled_out[bkt] = self._rounds_verified
                 return self._set(0, num_decoding)
             del self.ruled_out[bkt]
             self._held.pop(bkt, None)

@@ -8,6 +8,7 @@ drafts to make (``k``, 0 = catch up only).
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -239,7 +240,7 @@ class DraftModelProposer:
                     times.append(time.perf_counter() - t0)
         finally:
             self.stop_margin = margin
-        return sorted(times)[len(times) // 2]
+        return statistics.median(times)
 
     def propose(self, inputs: list[ProposalInput]) -> Proposal:
         seen = {i.request_id: i.num_seen for i in inputs}
