@@ -108,9 +108,15 @@ def test_forgetting_survives_a_long_run():
 def _steady(ctl, b, k, tokens, seconds, steps=4):
     """Feed ``steps`` steady steps at batch b with k (forcing the choice) and their throughput;
     an off stretch first passes the settling steps the controller leaves out of its window
-    after drafts (``off_settle_steps``)."""
+    after drafts (``off_settle_steps``), a stretch with drafts after off those it leaves out of
+    k's (``spec_settle_steps``)."""
     if k == 0:
         ctl._steps += ctl.off_settle_steps + 1
+    elif ctl._reported_k == 0:
+        ctl._steps += 1
+        ctl._set(k, b)
+        ctl.observe_throughput(tokens, seconds, *ctl.last_round)  # the run's first report: left out
+        ctl._steps += ctl.spec_settle_steps
     for _ in range(steps):
         ctl._steps += 1
         ctl._set(k, b)
@@ -147,15 +153,17 @@ def _optimistic(k_max=6, **kw):
 def test_a_cold_controller_measures_off_first_then_the_models_k():
     """Measured beats modelled: the first steps run off, then the model's k, then off again
     (switching on needs off measured after the candidate), and only a k that measured above
-    off is kept."""
+    off is kept. The exploration of k from off lasts its settling steps longer."""
     ctl = _optimistic(explore_every=10**9)
     model_k = ctl._model_choice(1)[0]
     assert model_k >= 4
+    n = ctl.explore_len + ctl.spec_settle_steps
     ks, _ = _run(ctl, 1, lambda k: (1 + k, 0.005 + 0.0005 * k), 40)  # speculating pays
-    assert ks[:5] == [0] * 5 and ks[5:10] == [model_k] * 5 and ks[10:15] == [0] * 5 and ks[15:] == [model_k] * 25
+    assert ks[:5] == [0] * 5 and ks[5:5 + n] == [model_k] * n and ks[5 + n:10 + n] == [0] * 5
+    assert ks[10 + n:] == [model_k] * (30 - n)
     ctl = _optimistic(explore_every=10**9)
     ks, _ = _run(ctl, 1, lambda k: (1 + 0.1 * k, 0.005 * (1 + k)), 40)  # it does not
-    assert ks[:5] == [0] * 5 and ks[5:10] == [model_k] * 5 and ks[10:] == [0] * 30
+    assert ks[:5] == [0] * 5 and ks[5:5 + n] == [model_k] * n and ks[5 + n:] == [0] * (35 - n)
 
 
 def test_measured_throughput_overrides_the_cost_model():
@@ -212,7 +220,8 @@ def test_a_machine_that_sped_up_meanwhile_does_not_switch_speculation_on():
         return 16 * (1 + 0.5 * k), 0.006 * (1 + 0.6 * k) * next(slow, 1.0)  # k never pays
 
     ks, _ = _run(ctl, 16, machine, 40)
-    assert ks[5:10] == [model_k] * 5 and ks[10:] == [0] * 30
+    n = ctl.explore_len + ctl.spec_settle_steps  # an exploration from off settles first
+    assert ks[5:5 + n] == [model_k] * n and ks[5 + n:] == [0] * (35 - n)
 
 
 def test_on_a_machine_where_no_k_pays_speculation_stays_off():
@@ -267,7 +276,7 @@ def test_explorations_back_off_where_they_keep_confirming_off():
 def test_a_steps_throughput_counts_for_the_k_it_ran_with():
     """The engine learns a step's whole cost after the next step's k is chosen (it is handed
     over with the next update): the sample must count for the k the step ran with."""
-    ctl = AdaptiveSpeculation(k_max=6, explore_every=10**9)
+    ctl = AdaptiveSpeculation(k_max=6, explore_every=10**9, spec_settle_steps=0)
     ctl._set(3, 4)
     ctl._set(3, 4)
     measured = ctl.last_round  # step N: 4 decoding, k 3, steady
@@ -357,7 +366,7 @@ def test_a_rounds_accepted_drafts_count_at_their_expectation():
     at the acceptance figures' expectation, so two windows of the same steps that differ
     only in their luck measure the same rate. Without rounds reported, tokens count as they
     came."""
-    lucky, unlucky = AdaptiveSpeculation(k_max=4), AdaptiveSpeculation(k_max=4)
+    lucky, unlucky = (AdaptiveSpeculation(k_max=4, spec_settle_steps=0) for _ in range(2))
     for ctl in (lucky, unlucky):
         for accepted in (0, 4) * 20:
             ctl.observe_round(accepted, 4, cap=4)
@@ -379,7 +388,7 @@ def test_admission_steps_are_charged_apart_from_the_windows():
     """A step that admits a request (prompt tokens in it) stays out of k's window; what its
     proposal took (the draft's prefill of the prompt) is charged to k's rate at the bucket's
     admissions per token. Off pays the target's prefill like every k: nothing is charged."""
-    ctl = AdaptiveSpeculation(k_max=4)
+    ctl = AdaptiveSpeculation(k_max=4, spec_settle_steps=0)
     for k in (0, 2):
         ctl._set(k, 1)
         ctl._set(k, 1)
@@ -422,8 +431,9 @@ def test_a_cold_controller_does_not_explore_the_models_k_after_k1_measured_below
     uncalibrated._all_round_figures = ctl._all_round_figures
     uncalibrated.target_cost, uncalibrated.draft_cost = ctl.target_cost, ctl.draft_cost
     assert uncalibrated._model_choice(4)[0] > 1
-    assert ks[:10] == [0] * 5 + [1] * 5  # off measured first, then the draft's cost at k = 1
-    assert ks[10:] == [0] * 190
+    n = ctl.explore_len + ctl.spec_settle_steps  # an exploration from off settles first
+    assert ks[:5 + n] == [0] * 5 + [1] * n  # off measured first, then the draft's cost at k = 1
+    assert ks[5 + n:] == [0] * (195 - n)
 
 
 def test_an_exploration_ends_when_the_batch_moves_to_another_bucket():
@@ -543,3 +553,52 @@ def test_off_steps_right_after_drafts_stay_out_of_offs_window():
     ctl._decided[ctl.bucket(1)] = 2
     ctl._explore(0, ctl.bucket(1), 1)
     assert ctl._explore_left == ctl.explore_len - 1 + ctl.off_settle_steps
+
+
+def test_the_ceiling_anchored_on_a_measured_step_takes_its_cost_besides_the_profile():
+    """A k = 1 step measured at 2 ms where the profile puts it at 1.3 (0.2 ms besides a 1 ms
+    forward + 0.1 ms drafts): every k then costs 0.7 ms more than profiled."""
+    profile = _linear_rows_profile(1, 0.0, 0.1, 2)
+    unanchored = profile.ceiling(1, 1.2e-3, 1e-3)
+    assert unanchored == pytest.approx(3 * 1.2 / 1.4)
+    anchored = profile.ceiling(1, 1.2e-3, 1e-3, measured_on=(1, 2e-3))
+    assert anchored == pytest.approx(max(2 * 1.2 / 2.0, 3 * 1.2 / 2.1))
+    # The anchor's k was not profiled: the profile alone.
+    assert profile.ceiling(1, 1.2e-3, 1e-3, measured_on=(5, 2e-3)) == pytest.approx(unanchored)
+
+
+def test_a_bucket_whose_measured_k_costs_more_than_profiled_is_ruled_out():
+    """The profile says k = 2 could reach 2x off (drafts and verification nearly free), but
+    the engine measures a k = 1 step at 2.2x an off step (its bookkeeping, the draft evicting
+    the target's weights): anchored there no k can pay, and the bucket is ruled out after the
+    exploration that measured it, not explored again."""
+    ctl = _profiled(_linear_rows_profile(1, 0.05, 0.05, 3))
+    machine = lambda k: (1 + 0.6 * k, 1e-3 * (1 + 1.2 * k))  # noqa: E731
+    ks, _ = _run(ctl, 1, machine, 600)
+    assert ctl.bucket(1) in ctl.ruled_out
+    first_off = max(i for i, k in enumerate(ks) if k)  # the last step with drafts
+    assert first_off < 60 and not any(ks[first_off + 1:])
+
+
+def test_drafts_first_steps_after_off_stay_out_of_ks_window():
+    """After off, k's first steady steps ran slower than its later ones: they are not k's rate;
+    a stretch of k right after another k > 0 settles no longer. An exploration of k > 0 from
+    off lasts those steps longer."""
+    ctl = AdaptiveSpeculation(k_max=4)
+    for step_s in (1e-3, 1e-3):  # off
+        ctl._steps += 1
+        ctl._set(0, 1)
+        ctl.observe_throughput(1, step_s, *ctl.last_round)
+    for step_s in (5e-3, 2e-3, 1.8e-3, 1.5e-3, 1.5e-3, 1.5e-3):  # then k = 2, settling
+        ctl._steps += 1
+        ctl._set(2, 1)
+        ctl.observe_throughput(3, step_s, *ctl.last_round)
+    assert [s[1] for s in ctl.rates[(ctl.bucket(1), 2)].steps] == [1.5e-3] * 3
+    for step_s in (1.6e-3, 1.6e-3):  # k = 3 right after k = 2: only the unsteady first left out
+        ctl._steps += 1
+        ctl._set(3, 1)
+        ctl.observe_throughput(4, step_s, *ctl.last_round)
+    assert [s[1] for s in ctl.rates[(ctl.bucket(1), 3)].steps] == [1.6e-3]
+    ctl._set(0, 1)
+    ctl._explore(2, ctl.bucket(1), 1)
+    assert ctl._explore_left == ctl.explore_len - 1 + ctl.spec_settle_steps

@@ -201,63 +201,78 @@ class ModelRunner:
         start-up: per batch size b (with its largest k), the forward of b sequences of 1 + k
         rows after ``context_tokens`` cached ones and their logits, then the verification
         (an argmax for greedy requests; for sampled ones, at temperature 1, the sampler or the
-        rejection sampler against a flat q), each the median of ``repeats`` after one
-        untimed; and the proposer's round of k drafts for b requests, greedy and sampled.
-        Writes K/V only into the first blocks, free at start-up (as ``warm_up``)."""
+        rejection sampler against a flat q), and the proposer's round of k drafts for b
+        requests, greedy and sampled. Each is the median of ``repeats`` rounds that take every
+        k of a batch size in turn, after one untimed round: the controller reads ratios to
+        k = 0, and the first calls after the kernels' threads idled run up to 3x slow (built-in
+        target, batch 1, 2 AMD EPYC cores: 1.9, 1.0, 0.7, then 0.58 ms), which measured apart,
+        k = 0 first, made k = 0 dearer than k = 1 and k = 2. Each step is timed where an engine
+        runs it: off after off, verification after a draft round (at this size the draft's
+        forward evicts some of the target's weights from cache). Writes K/V only into the
+        first blocks, free at start-up (as ``warm_up``)."""
         bs, num_blocks = self.block_size, self.kv_caches[0].shape[1]
         sampled_params = SamplingParams(temperature=1.0)
+        greedy_params = SamplingParams(temperature=0.0)
+        st_t = None
         cols: dict[str, list[tuple[int, int, float]]] = {"greedy": [], "sampled": [], "draft": [], "draft_sampled": []}
         for b, cap in zip(batch_sizes, k_caps):
+            shapes = []
             for k in range(cap + 1):
                 per_seq = -(-(context_tokens + 1 + k) // bs)
                 if b * per_seq > num_blocks:
                     break
-                tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]
-                forward_s, greedy_s, sampled_s = self._profile_step(tables, context_tokens, k, sampled_params,
-                                                                    repeats)
-                cols["greedy"].append((b, k, forward_s))
-                cols["sampled"].append((b, k, forward_s - greedy_s + sampled_s))
-                if k and self.proposer is not None:
-                    cols["draft"].append((b, k, self.proposer.round_cost_s(tables, context_tokens + 1, k)))
-                    cols["draft_sampled"].append((b, k, self.proposer.round_cost_s(
-                        tables, context_tokens + 1, k, sampled_params)))
+                shapes.append((k, [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]))
+            st_t = SamplingTensors.from_params([sampled_params] * b, self.arch.vocab_size, self.device,
+                                               self.sampler.kernels)
+            times: dict[tuple[str, int], list[float]] = {}
+            for r in range(repeats + 1):
+                for k, tables in shapes:
+                    # In the order a running engine meets them: an off step after off steps
+                    # (the weights the draft evicted back in cache), a verification step
+                    # after a draft round and a draft round after a verification step.
+                    row = {}
+                    if k == 0:
+                        self._profile_step(tables, context_tokens, k, st_t)
+                    elif self.proposer is not None:
+                        row["draft"] = self.proposer.round_cost_s(tables, context_tokens + 1, k, greedy_params)
+                    forward_s, greedy_s, sampled_s = self._profile_step(tables, context_tokens, k, st_t)
+                    row.update(greedy=forward_s, sampled=forward_s - greedy_s + sampled_s)
+                    if k and self.proposer is not None:
+                        row["draft_sampled"] = self.proposer.round_cost_s(tables, context_tokens + 1, k, sampled_params)
+                    if r:
+                        for name, seconds in row.items():
+                            times.setdefault((name, k), []).append(seconds)
+            for (name, k), xs in times.items():
+                cols[name].append((b, k, statistics.median(xs)))
         return VerifyCostProfile(tuple(cols["greedy"]), tuple(cols["draft"]), tuple(cols["sampled"]),
                                  tuple(cols["draft_sampled"]))
 
-    def _profile_step(self, tables: list[list[int]], context_tokens: int, k: int, sampled_params: SamplingParams,
-                      repeats: int) -> tuple[float, float, float]:
-        """(forward with logits and argmax, the greedy verification alone, the sampled one
-        alone) for ``len(tables)`` sequences of 1 + k rows; medians of ``repeats``."""
+    def _profile_step(self, tables: list[list[int]], context_tokens: int, k: int,
+                      st_t: SamplingTensors) -> tuple[float, float, float]:
+        """One timed step of ``len(tables)`` sequences of 1 + k rows: (forward with logits and
+        argmax, the greedy verification alone, the sampled one alone)."""
         b, q = len(tables), 1 + k
         ctx = context_tokens + q
         positions = [p for _ in range(b) for p in range(context_tokens, ctx)]
-        st_t = SamplingTensors.from_params([sampled_params] * b, self.arch.vocab_size, self.device,
-                                           self.sampler.kernels)
         drafts = [[0] * k for _ in range(b)]
         flat_q = [torch.full((k, self.arch.vocab_size), 1.0 / self.arch.vocab_size, device=self.device)
                   for _ in range(b)]
-        out = {"forward": [], "greedy": [], "sampled": []}
-        for r in range(repeats + 1):
-            t0 = time.perf_counter()
-            hidden = self._forward([0] * (b * q), positions, [q] * b, [ctx] * b, tables, False)
-            logits = self.model.compute_logits(hidden)  # (b * q, V)
+        t0 = time.perf_counter()
+        hidden = self._forward([0] * (b * q), positions, [q] * b, [ctx] * b, tables, False)
+        logits = self.model.compute_logits(hidden)  # (b * q, V)
+        fast_argmax(logits).tolist()
+        t1 = time.perf_counter()
+        if k:
+            greedy_rows(logits, [k] * b, drafts)
+        else:
             fast_argmax(logits).tolist()
-            t1 = time.perf_counter()
-            if k:
-                greedy_rows(logits, [k] * b, drafts)
-            else:
-                fast_argmax(logits).tolist()
-            t2 = time.perf_counter()
-            if k:
-                self.rejection_sampler(logits, [k] * b, drafts, flat_q, st_t, [None] * b)
-            else:
-                self.sampler.sample(logits, st_t, [None] * b).tolist()
-            t3 = time.perf_counter()
-            if r:
-                out["forward"].append(t1 - t0)
-                out["greedy"].append(t2 - t1)
-                out["sampled"].append(t3 - t2)
-        return statistics.median(out["forward"]), statistics.median(out["greedy"]), statistics.median(out["sampled"])
+        t2 = time.perf_counter()
+        if k:
+            self.rejection_sampler(logits, [k] * b, drafts, flat_q, st_t, [None] * b)
+        else:
+            self.sampler.sample(logits, st_t, [None] * b).tolist()
+        t3 = time.perf_counter()
+        return t1 - t0, t2 - t1, t3 - t2
 
     # -- captured decodes ----------------------------------------------------------------------
     @torch.inference_mode()

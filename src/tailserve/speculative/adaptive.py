@@ -137,7 +137,7 @@ class VerifyCostProfile:
     sampled_draft_s: tuple[tuple[int, int, float], ...] = ()
 
     def ceiling(self, num_seqs: int, off_step_s: float, forward_s: float, acceptance: float = 1.0,
-                greedy: bool = True) -> float | None:
+                greedy: bool = True, measured_on: tuple[int, float] | None = None) -> float | None:
         """The most tokens/s any profiled k could reach at ``num_seqs`` decoding requests, as a
         multiple of a k = 0 step that took ``off_step_s`` in all, ``forward_s`` of it the
         target's forward and sampling, with each draft accepted with probability
@@ -146,19 +146,29 @@ class VerifyCostProfile:
         the profiled forward at 1 + k rows a request plus the profiled round of k drafts, both
         scaled by the running engine's forward over the profiled one (the machine now against
         the machine at start-up). ``greedy``: the costs of a batch of greedy requests, else of
-        sampled ones. None where ``num_seqs`` was not profiled."""
+        sampled ones. ``measured_on`` (k, seconds): a step with k drafts measured in the
+        running engine; every k's step is then that one plus the profiled difference. A step
+        with drafts costs more than its forward and proposal: on 2 AMD EPYC cores, built-in
+        pair, batch 1 sampled, a k = 1 step took 1.33 ms against 0.75 off where the profile
+        put it at ~1.1 (its bookkeeping, a second token's output processing, the target's
+        weights evicted by the draft's forward: its 2-row forward ran 670 us in the engine,
+        515 alone). None where ``num_seqs`` was not profiled."""
         sampled = not greedy and self.sampled_target_s
         target = {k: s for b, k, s in (self.sampled_target_s if sampled else self.target_s) if b == num_seqs}
         if 0 not in target:
             return None
         draft = {k: s for b, k, s in (self.sampled_draft_s if sampled else self.draft_s) if b == num_seqs}
         scale = forward_s / target[0]
+        base_s = off_step_s - forward_s  # the step besides its profiled part
+        if measured_on is not None and measured_on[0] in target:
+            km, step_s = measured_on
+            base_s = step_s - (target[km] + draft.get(km, 0.0)) * scale
         a = min(max(acceptance, 0.0), 1.0)
         best = 1.0
         for k in sorted(target):
             if k > 0:
                 tokens = k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
-                on_s = off_step_s - forward_s + (target[k] + draft.get(k, 0.0)) * scale
+                on_s = base_s + (target[k] + draft.get(k, 0.0)) * scale
                 best = max(best, tokens * off_step_s / max(on_s, 1e-9))
         return best
 
@@ -320,6 +330,16 @@ class AdaptiveSpeculation:
     # window, and off's probes while speculating last that much longer.
     off_settle_steps: int = 2
     _last_spec_step: int = -(10**9)  # the controller's step count at the last step reported with k > 0
+    # The same the other way: the first steps with drafts after off ran slower than later ones
+    # (the draft catching up, the caches holding the target alone: 1.78, 1.51, 1.48, 1.44 ms,
+    # then 1.29 steady, batch 1 sampled, AVX-512), and a three-step exploration read k ~15%
+    # dearer than it runs, which decided against k and, as the ceiling's anchor, ruled out a
+    # greedy batch 1 where k = 2 ran 1.26x of off (2 AMD EPYC cores). So after off, k's first
+    # ``spec_settle_steps`` steady steps stay out of its window, and an exploration of k > 0
+    # from off lasts that much longer.
+    spec_settle_steps: int = 2
+    _reported_k: int = 0  # the k of the last step reported
+    _spec_run_start: int = -(10**9)  # the controller's step count when a run of drafts after off was first reported
     switch_margin: float = 0.05  # speculation stays on only while measured >= 5% above off
     # ... and switches on at 7% above: twice the margin (before the windows' noise was taken
     # out) kept k = 1, 1.2x off at batch 1, off for most of a cold run (AVX2, built-in pair).
@@ -364,10 +384,13 @@ class AdaptiveSpeculation:
     # Buckets where no k could reach switch_on_margin above off at an optimistic acceptance
     # are ruled out: k = 0 there with no exploration and no bookkeeping (see ``_cannot_pay``).
     cost_profile: VerifyCostProfile | None = None
-    # The acceptance the bound assumes: this, weighted as ``acceptance_prior`` is (4 rounds),
+    # The acceptance the bound assumes: this, weighted as ``ceiling_prior_rounds`` rounds,
     # pooled with the rounds verified so far: optimistic while none is (0.6-0.8 is typical of
     # a draft model), what was measured once many are.
     ceiling_acceptance_prior: float = 0.9
+    # ... counted as this many rounds: an exploration verifies 5-7, and at batch 1 greedy the
+    # first 28 read 0.58 where other runs read 0.8-0.88 (the acceptance varies with the text).
+    ceiling_prior_rounds: float = 16.0
     ruled_out: dict[int, int] = field(default_factory=dict)  # bucket -> rounds verified at the verdict
     _rounds_verified: int = 0
 
@@ -383,8 +406,8 @@ class AdaptiveSpeculation:
         the maximum-likelihood estimate for a geometric number of accepted drafts."""
         return self._pooled(self._acc, self.acceptance_prior)
 
-    def _pooled(self, shares: list[_Share], prior: float) -> float:
-        weight = 4.0 * self._unit  # the prior counts as 4 rounds
+    def _pooled(self, shares: list[_Share], prior: float, prior_rounds: float = 4.0) -> float:
+        weight = prior_rounds * self._unit  # the prior counts as this many rounds
         hits = sum(s.hits for s in shares)
         trials = sum(s.trials for s in shares)
         return (hits + weight * prior) / (trials + weight)
@@ -477,6 +500,9 @@ class AdaptiveSpeculation:
             self._cost_exploration(num_tokens, seconds)
         if k > 0:
             self._last_spec_step = self._steps
+            if self._reported_k == 0:
+                self._spec_run_start = self._steps
+        self._reported_k = k
         bkt = self.bucket(num_decoding, greedy)
         if bkt in self.ruled_out:
             return  # k = 0 for good here: nothing to compare
@@ -488,6 +514,8 @@ class AdaptiveSpeculation:
             return
         if k == 0 and self._steps - self._last_spec_step <= 1 + self.off_settle_steps:
             return  # the first off steps after drafts (the very first is not steady)
+        if k > 0 and self.spec_settle_steps and self._steps - self._spec_run_start <= self.spec_settle_steps:
+            return  # the first steps with drafts after off (the very first is not steady)
         key = (bkt, k)
         window = self.rates.get(key)
         if window is None:
@@ -674,10 +702,15 @@ class AdaptiveSpeculation:
         if profile is None:
             return False
         top = 1 << max(num_decoding - 1, 0).bit_length()  # the bucket's largest batch size
-        acceptance = self._pooled(self._acc, self.ceiling_acceptance_prior)
+        acceptance = self._pooled(self._acc, self.ceiling_acceptance_prior, self.ceiling_prior_rounds)
         off_s = self.rates[(bkt, 0)].per_step()[1]
         forward_s = min(self.target_cost.predict(num_decoding), off_s)
-        ceiling = profile.ceiling(top, off_s, forward_s, acceptance, self._greedy)
+        # The k > 0 with the most steady steps measured here anchors every k's cost.
+        measured_on, most = None, self.min_rate_steps - 1
+        for (b, k), window in self.rates.items():
+            if b == bkt and k > 0 and len(window.steps) > most:
+                measured_on, most = (k, window.per_step()[1]), len(window.steps)
+        ceiling = profile.ceiling(top, off_s, forward_s, acceptance, self._greedy, measured_on)
         return ceiling is not None and ceiling < 1.0 + self.switch_on_margin
 
     def goodput(self, num_decoding: int, k: int, state: SloState) -> float | None:
@@ -739,7 +772,10 @@ class AdaptiveSpeculation:
         """Run ``k`` for the next ``explore_len`` steps (this one included)."""
         self._held.pop(bucket, None)  # the choice after it is made afresh
         self._explore_k, self._explore_bucket = k, bucket
-        settle = self.off_settle_steps if k == 0 and self._decided.get(bucket, 0) > 0 else 0
+        if k == 0:
+            settle = self.off_settle_steps if self._decided.get(bucket, 0) > 0 else 0
+        else:
+            settle = self.spec_settle_steps if self.last_k == 0 else 0
         self._explore_left = self.explore_len - 1 + settle
         if self._probe is not None:  # its last reports would be this exploration's steps
             self._end_probe()

@@ -8,7 +8,6 @@ drafts to make (``k``, 0 = catch up only).
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -80,9 +79,9 @@ class Proposer(Protocol):
     def round_cost_s(self, block_ids: list[list[int]], context_tokens: int, k: int,
                      params: SamplingParams | None = None) -> float:
         """Seconds of one steady round of ``k`` drafts for ``len(block_ids)`` requests of
-        ``context_tokens`` tokens with these sampling parameters (default greedy), measured now
-        (at start-up: it may write K/V into these blocks); where drafting has several sources,
-        the least a round can cost (0 for lookups)."""
+        ``context_tokens`` tokens with these sampling parameters (default greedy), one timed
+        round now (at start-up: it may write K/V into these blocks; the caller repeats it);
+        where drafting has several sources, the least a round can cost (0 for lookups)."""
 
 
 class LookupProposer:
@@ -223,24 +222,21 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def round_cost_s(self, block_ids: list[list[int]], context_tokens: int, k: int,
-                     params: SamplingParams | None = None, repeats: int = 3) -> float:
-        """A steady round (``propose`` after one accepted token a request: the catch-up forward,
-        then the chain; q and the draws for sampled ``params``), with the stop margin off so
-        that all ``k`` drafts are made: the median of ``repeats`` after one untimed."""
+                     params: SamplingParams | None = None) -> float:
+        """One steady round, timed (``propose`` after one accepted token a request: the
+        catch-up forward, then the chain; q and the draws for sampled ``params``), with the
+        stop margin off so that all ``k`` drafts are made. The caller repeats and takes the
+        median (``ModelRunner.profile_verification``)."""
         params = params or SamplingParams(temperature=0.0)
         inputs = [ProposalInput(f"profile-{i}", [0] * context_tokens, context_tokens - 1, context_tokens, table, k,
                                 params, None) for i, table in enumerate(block_ids)]
         margin, self.stop_margin = self.stop_margin, 0.0
-        times = []
         try:
-            for r in range(repeats + 1):
-                t0 = time.perf_counter()
-                self.propose(inputs)
-                if r:
-                    times.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            self.propose(inputs)
+            return time.perf_counter() - t0
         finally:
             self.stop_margin = margin
-        return statistics.median(times)
 
     def propose(self, inputs: list[ProposalInput]) -> Proposal:
         seen = {i.request_id: i.num_seen for i in inputs}
