@@ -18,8 +18,11 @@ tokens each) and a long one (engines kept across every cell and round, the contr
 warm), ``--runs`` rounds (default 3), each round's runs ordered off, adaptive, adaptive, off
 (or the reverse) so that drift hits both alike; a cell's figure is the median over rounds of
 summed off time / summed adaptive time. ``--verification block`` measures block verification instead.
+``--control``: a second engine with speculation off takes its turns beside adaptive in every
+run (off, adaptive, control, control, adaptive, off), and each cell also reports off / control:
+what two identical engines read here, the matrix's own noise floor in the same run.
 
-    python benchmarks/bench_speculative.py --matrix [--runs 3] [--json out.json]
+    python benchmarks/bench_speculative.py --matrix [--runs 3] [--control] [--json out.json]
 """
 
 from __future__ import annotations
@@ -90,8 +93,9 @@ def never_slower_matrix(args: argparse.Namespace) -> dict:
             "speculative_verification": args.verification}
     batches, temps = (1, 4, 16), (0.0, 0.8)
     cells = [(b, t, s) for b in batches for t in temps for s in ((False, True) if t > 0 else (False,))]
+    names = ("off", "adaptive", "control") if args.control else ("off", "adaptive")
     warm = {(b, name): LLM(**common, max_num_seqs=b, **(spec if name == "adaptive" else {}))
-            for b in batches for name in ("off", "adaptive")}
+            for b in batches for name in names}
     for llm in warm.values():
         llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     tokens = 128
@@ -103,11 +107,11 @@ def never_slower_matrix(args: argparse.Namespace) -> dict:
             n = 6 if b == 1 else 2 * b
             params = _matrix_params(t, seeded, n, tokens)
             for run in ("short", "long"):
-                # off, adaptive, adaptive, off (or the reverse): a drift that is linear over
-                # the four runs hits both alike; the round's ratio is of summed times.
-                order = ("off", "adaptive", "adaptive", "off") if (r + b) % 2 == 0 else \
-                    ("adaptive", "off", "off", "adaptive")
-                seconds = {"off": 0.0, "adaptive": 0.0}
+                # off, adaptive, adaptive, off (or the reverse; with the control: off, adaptive,
+                # control, control, adaptive, off): a drift that is linear over the runs hits
+                # every engine alike; the round's ratio is of summed times.
+                order = names + names[::-1] if (r + b) % 2 == 0 else names[::-1] + names
+                seconds = dict.fromkeys(names, 0.0)
                 for name in order:
                     llm = warm[(b, name)] if run == "long" else \
                         LLM(**common, max_num_seqs=b, **(spec if name == "adaptive" else {}))
@@ -126,12 +130,15 @@ def never_slower_matrix(args: argparse.Namespace) -> dict:
                     if run == "short":
                         llm.shutdown()
                 ratios.setdefault((b, t, seeded, run), []).append(seconds["off"] / seconds["adaptive"])
+                if args.control:
+                    ratios.setdefault((b, t, seeded, run, "control"), []).append(seconds["off"] / seconds["control"])
             last = {run: ratios[(b, t, seeded, run)][-1] for run in ("short", "long")}
             print(f"round {r + 1}: batch {b:>2} t={t} {'seeded' if seeded else 'unseeded':<8} "
                   + "  ".join(f"{run} {ratio:.2f}x" for run, ratio in last.items()), flush=True)
     out = {"cpu": caps.cpu_capability, "dtype": args.dtype or "auto", "verification": args.verification,
-           "cells": []}
-    print(f"\nadaptive / off, median of {args.runs} rounds' ratios (each round: off, adaptive, adaptive, off; "
+           "control": args.control, "cells": []}
+    order = "off, adaptive, control, control, adaptive, off" if args.control else "off, adaptive, adaptive, off"
+    print(f"\nadaptive / off, median of {args.runs} rounds' ratios (each round: {order}; "
           f"end-to-end tok/s; {caps.cpu_capability}):")
     print(f"{'batch':>5} {'temp':>5} {'seed':>8} | {'short':>6} {'long':>6} | off tok/s short/long "
           "| drafted share accepted")
@@ -146,13 +153,23 @@ def never_slower_matrix(args: argparse.Namespace) -> dict:
                         "round_ratios": ratios[(b, t, seeded, run)],
                         "acceptance_rate": statistics.median([a for a in accept[(b, t, seeded, run)] if a == a]
                                                              or [float("nan")])}
+            if args.control:
+                row[run]["control_ratio"] = statistics.median(ratios[(b, t, seeded, run, "control")])
+                row[run]["control_round_ratios"] = ratios[(b, t, seeded, run, "control")]
             worst = min(worst, ratio)
         print(f"{b:>5} {t:>5} {'yes' if seeded else 'no':>8} | {row['short']['ratio']:>5.2f}x "
               f"{row['long']['ratio']:>5.2f}x | {row['short']['off_tok_s']:>7.0f} / {row['long']['off_tok_s']:<7.0f}"
-              f" | {row['short']['acceptance_rate']:.2f} / {row['long']['acceptance_rate']:.2f}")
+              f" | {row['short']['acceptance_rate']:.2f} / {row['long']['acceptance_rate']:.2f}"
+              + (f" | off/control {row['short']['control_ratio']:.2f}x {row['long']['control_ratio']:.2f}x"
+                 if args.control else ""))
         out["cells"].append(row)
     out["worst_ratio"] = worst
     print(f"worst cell: {worst:.2f}x (goal >= 0.98x)")
+    if args.control:
+        spread = [row[run]["control_ratio"] for row in out["cells"] for run in ("short", "long")]
+        out["control_range"] = [min(spread), max(spread)]
+        print(f"off / control (two engines with speculation off): {min(spread):.2f}-{max(spread):.2f}x "
+              "over the cells: what this run cannot tell from 1.0")
     return out
 
 
@@ -160,6 +177,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--matrix", action="store_true", help="the never-slower matrix (see the module docstring)")
     ap.add_argument("--verification", default="token", help="--matrix: token or block verification")
+    ap.add_argument("--control", action="store_true",
+                    help="--matrix: a second engine with speculation off in every run (the noise floor)")
     ap.add_argument("--runs", type=int, default=None, help="rounds (default 2; 3 with --matrix)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=256)
