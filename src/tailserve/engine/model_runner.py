@@ -213,7 +213,6 @@ class ModelRunner:
         bs, num_blocks = self.block_size, self.kv_caches[0].shape[1]
         sampled_params = SamplingParams(temperature=1.0)
         greedy_params = SamplingParams(temperature=0.0)
-        st_t = None
         cols: dict[str, list[tuple[int, int, float]]] = {"greedy": [], "sampled": [], "draft": [], "draft_sampled": []}
         for b, cap in zip(batch_sizes, k_caps):
             shapes = []
