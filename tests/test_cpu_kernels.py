@@ -249,6 +249,57 @@ def test_the_decode_attention_kernel_matches_the_reference(seed, kv_dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("seed", range(6))
+def test_a_step_of_prompt_chunks_beside_decodes_splits_its_rows_and_matches_the_reference(seed):
+    """Long prompt chunks beside decodes and short chunks, in any row order: the short rows
+    through the kernel, the chunks through the reference, and the step attends and writes
+    what the reference alone does over the whole batch."""
+    import random
+
+    from tailserve.attention.cpu_decode import CpuDecodeBackend, CpuMixedMetadata
+    from tailserve.attention.reference import build_attention_metadata, paged_attention
+    from tailserve.model.config import RopeConfig
+    from tailserve.model.rope import RotaryEmbedding
+
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    h, kvh, d, bs = rng.choice([(8, 2, 64, 16), (6, 2, 32, 8), (4, 4, 16, 4)])
+    window = None if seed < 4 else 20
+    n = rng.randint(3, 7)
+    longest = CpuDecodeBackend.MAX_QUERY_LEN + 1
+    # At least one long chunk (a whole prompt or one after cached context) and one short row.
+    qlens = [rng.choice([1, 1, rng.randint(2, 9), rng.randint(longest, 60)]) for _ in range(n)]
+    i, j = rng.sample(range(n), 2)
+    qlens[i], qlens[j] = rng.randint(longest, 60), rng.choice([1, rng.randint(2, 9)])
+    ctxs = [q + rng.choice([0, rng.randint(1, 50)]) for q in qlens]
+    t = sum(qlens)
+    num_blocks = sum(-(-c // bs) for c in ctxs) + 2
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-c // bs))] for c in ctxs]
+    cache = torch.randn(2, num_blocks, bs, kvh, d).to(torch.bfloat16)
+    q, k, v = torch.randn(t, h, d), torch.randn(t, kvh, d), torch.randn(t, kvh, d)
+    backend = CpuDecodeBackend(bs, 8, 64, 256, window, torch.device("cpu"), kernels=KERNELS)
+    meta = backend.build(qlens, ctxs, tables)
+    assert isinstance(meta, CpuMixedMetadata)
+    ref_meta = build_attention_metadata(qlens, ctxs, tables, bs, window, torch.device("cpu"))
+    assert torch.equal(meta.slot_mapping, ref_meta.slot_mapping)
+    ours, theirs = cache.clone(), cache.clone()
+    got = meta.attend(q, k, v, ours, d ** -0.5)
+    want = paged_attention(q, k, v, theirs, ref_meta, d ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(ours, theirs)
+    # From the fused projection's rows: the same as rotating first, and the same K written.
+    rotary = RotaryEmbedding(RopeConfig(theta=10000.0), d, 128, torch.float32)
+    cos, sin = rotary.lookup(torch.tensor([p for c, ql in zip(ctxs, qlens) for p in range(c - ql, c)]))
+    qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=1)
+    fused, rotated = cache.clone(), cache.clone()
+    got = meta.attend_rope(qkv, rotary, cos, sin, h, kvh, fused, d ** -0.5)
+    want = paged_attention(rotary.apply(q, cos, sin), rotary.apply(k, cos, sin), v, rotated, ref_meta, d ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fused, rotated)
+
+@needs_kernels
 def test_a_float32_cpu_engine_runs_the_kernels_and_generates_what_pytorch_does(tiny_checkpoint):
     from tailserve import LLM, SamplingParams
     from tailserve.attention.cpu_decode import CpuDecodeBackend

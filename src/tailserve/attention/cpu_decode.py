@@ -18,6 +18,7 @@ is float32 and the kernels build.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,6 +64,54 @@ class CpuDecodeMetadata:
                                                         self.sliding_window, self.max_ctx)
 
 
+def _rows(rows: list[int], total: int) -> slice | torch.Tensor:
+    """Row selector: a slice (a view, no copy) where the rows are one run, else an index."""
+    if rows and rows[-1] - rows[0] + 1 == len(rows):
+        return slice(rows[0], rows[-1] + 1)
+    return torch.tensor(rows, dtype=torch.long)
+
+
+@dataclass
+class CpuMixedMetadata:
+    """A step of long prompt chunks beside short rows (decodes, verification, short chunks):
+    the short rows attend through the kernel (``kernel``), the chunks through the reference
+    (``reference``: grouped SDPA). Both parts share the step's products; only attention is
+    split. Sequences are independent in attention, so the order of the two parts does not
+    matter. Without the split the reference took the decode rows too, gathered and padded to
+    the longest context beside them under a mask: in the KV-capacity benchmark on 2 AVX2
+    cores, ~45 decode rows at ~500 tokens beside one prompt cost ~19 ms a layer, most of the
+    paged run's mixed steps (docs/benchmarks.md)."""
+
+    kernel: CpuDecodeMetadata
+    reference: AttentionMetadata
+    kernel_rows: slice | torch.Tensor
+    reference_rows: slice | torch.Tensor
+    slot_mapping: torch.Tensor  # (T,) every row's slot, in the step's row order
+    num_tokens: int
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        kr, rr = self.kernel_rows, self.reference_rows
+        out = torch.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=q.dtype)
+        out[kr] = self.kernel.attend(q[kr], k[kr], v[kr], kv_cache, scale).to(q.dtype)
+        out[rr] = self.reference.attend(q[rr], k[rr], v[rr], kv_cache, scale)
+        return out
+
+    def attend_rope(self, qkv: torch.Tensor, rotary, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                    num_kv_heads: int, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        kr, rr = self.kernel_rows, self.reference_rows
+        out = torch.empty((qkv.shape[0], qkv.shape[1] // (num_heads + 2 * num_kv_heads) * num_heads),
+                          dtype=qkv.dtype)
+        out[kr] = self.kernel.attend_rope(qkv[kr], rotary, cos[kr], sin[kr], num_heads, num_kv_heads, kv_cache,
+                                          scale)
+        out[rr] = self.reference.attend_rope(qkv[rr], rotary, cos[rr], sin[rr], num_heads, num_kv_heads,
+                                             kv_cache, scale)
+        return out
+
+    def kernel_step(self, kv_cache: torch.Tensor) -> None:
+        return None  # more than the fused layer's rows, and part of them prompt chunks
+
+
 class CpuDecodeBackend(TorchReferenceBackend):
     name = "cpu-decode"
     supports_graph_capture = False  # CPU: nothing to capture
@@ -79,9 +128,28 @@ class CpuDecodeBackend(TorchReferenceBackend):
     MAX_QUERY_LEN = 16
 
     def build(self, query_lens: list[int], context_lens: list[int],
-              block_tables: list[list[int]]) -> CpuDecodeMetadata | AttentionMetadata:
-        if max(query_lens) > self.MAX_QUERY_LEN:
+              block_tables: list[list[int]]) -> CpuDecodeMetadata | CpuMixedMetadata | AttentionMetadata:
+        short = [i for i, q in enumerate(query_lens) if q <= self.MAX_QUERY_LEN]
+        if len(short) == len(query_lens):
+            return self._kernel_metadata(query_lens, context_lens, block_tables)
+        if not short:
             return super().build(query_lens, context_lens, block_tables)
+        long = [i for i, q in enumerate(query_lens) if q > self.MAX_QUERY_LEN]
+        starts = [0, *itertools.accumulate(query_lens)]
+        short_rows = [r for i in short for r in range(starts[i], starts[i + 1])]
+        long_rows = [r for i in long for r in range(starts[i], starts[i + 1])]
+        kernel = self._kernel_metadata([query_lens[i] for i in short], [context_lens[i] for i in short],
+                                       [block_tables[i] for i in short])
+        reference = super().build([query_lens[i] for i in long], [context_lens[i] for i in long],
+                                  [block_tables[i] for i in long])
+        t = starts[-1]
+        slots = torch.empty(t, dtype=torch.long)
+        slots[torch.tensor(short_rows)] = kernel.slot_mapping
+        slots[torch.tensor(long_rows)] = reference.slot_mapping
+        return CpuMixedMetadata(kernel, reference, _rows(short_rows, t), _rows(long_rows, t), slots, t)
+
+    def _kernel_metadata(self, query_lens: list[int], context_lens: list[int],
+                         block_tables: list[list[int]]) -> CpuDecodeMetadata:
         bs = self.block_size
         t = sum(query_lens)
         width = max(-(-c // bs) for c in context_lens)
