@@ -54,6 +54,13 @@ def test_speculation_verdict_follows_latency_at_batch_1_and_throughput_under_loa
     v = verdicts.speculation_verdict(worse)
     assert "adaptive speculation costs 15% of per-token latency" in v
     assert "yet tokens/s is 20% worse" in v
+    # A gain beside a handful of drafts is not speculation's: the verdict says noise, not "pays".
+    lucky = copy.deepcopy(f)
+    lucky["loads"][0]["adaptive"] = _spec(3.0, 260, 61, 0.04)
+    v = verdicts.speculation_verdict(lucky)
+    assert "adaptive speculation pays" not in v
+    assert "turned adaptive speculation down (0.04 draft tokens per output token), so the 25% less" in v
+    assert "run-to-run noise, not speculation: 4.00 -> 3.00 ms per token" in v
 
 
 def test_prefix_verdict_states_the_cut_or_says_why_there_is_none():
