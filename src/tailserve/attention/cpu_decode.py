@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tailserve.attention.backend import slots_of
 from tailserve.attention.reference import AttentionMetadata, TorchReferenceBackend
 from tailserve.kernels.cpu import KV_FORMATS, CpuKernels, StepStruct
 
@@ -150,20 +149,33 @@ class CpuDecodeBackend(TorchReferenceBackend):
 
     def _kernel_metadata(self, query_lens: list[int], context_lens: list[int],
                          block_tables: list[list[int]]) -> CpuDecodeMetadata:
+        # Whole-array arithmetic over the rows: a loop of small numpy calls per sequence cost
+        # ~10 us a row (150 us a step at 16 decodes, on 2 AVX2 cores), now ~2.
         bs = self.block_size
-        t = sum(query_lens)
-        width = max(-(-c // bs) for c in context_lens)
-        tables = np.zeros((t, width), dtype=np.int32)
-        slots = np.empty(t, dtype=np.int64)
-        lens = np.empty(t, dtype=np.int32)
-        row = 0
-        for q, c, table in zip(query_lens, context_lens, block_tables):
-            nb = -(-c // bs)
-            blocks = np.asarray(table[:nb], dtype=np.int64)
-            pos = np.arange(c - q, c)
-            tables[row : row + q, :nb] = blocks
-            slots[row : row + q] = slots_of(blocks, pos, bs)
-            lens[row : row + q] = pos + 1
-            row += q
+        n = len(query_lens)
+        if n == 1 and query_lens[0] == 1:  # batch-1 decode: the latency-bound step, fewest calls
+            c = context_lens[0]
+            table = block_tables[0]
+            slot = table[(c - 1) // bs] * bs + (c - 1) % bs
+            return CpuDecodeMetadata(torch.from_numpy(np.array([slot], dtype=np.int64)),
+                                     torch.from_numpy(np.array([table[: -(-c // bs)]], dtype=np.int32)),
+                                     torch.from_numpy(np.array([c], dtype=np.int32)), c, self.sliding_window,
+                                     self.kernels)
+        ctx = np.asarray(context_lens, dtype=np.int64)
+        nbs = -(-ctx // bs)
+        seq_tables = np.zeros((n, int(nbs.max())), dtype=np.int32)
+        for i, (table, nb) in enumerate(zip(block_tables, nbs.tolist())):
+            seq_tables[i, :nb] = table[:nb]
+        if len(query_lens) == sum(query_lens):  # one row per sequence: decodes
+            tables, pos = seq_tables, ctx - 1
+        else:  # verification or short chunks: rows of a sequence repeat its table
+            q = np.asarray(query_lens, dtype=np.int64)
+            seq = np.repeat(np.arange(n), q)
+            first = np.cumsum(q) - q
+            tables = seq_tables[seq]
+            pos = ctx[seq] - q[seq] + np.arange(len(seq)) - first[seq]
+        rows = np.arange(len(pos))
+        slots = tables[rows, pos // bs].astype(np.int64) * bs + pos % bs
+        lens = (pos + 1).astype(np.int32)
         return CpuDecodeMetadata(torch.from_numpy(slots), torch.from_numpy(tables), torch.from_numpy(lens),
-                                 max(context_lens), self.sliding_window, self.kernels)
+                                 int(ctx.max()), self.sliding_window, self.kernels)
