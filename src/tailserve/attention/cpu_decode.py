@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tailserve.attention.backend import slot_of
 from tailserve.attention.reference import AttentionMetadata, TorchReferenceBackend
 from tailserve.kernels.cpu import KV_FORMATS, CpuKernels, StepStruct
 
@@ -63,7 +64,7 @@ class CpuDecodeMetadata:
                                                         self.sliding_window, self.max_ctx)
 
 
-def _rows(rows: list[int], total: int) -> slice | torch.Tensor:
+def _rows(rows: list[int]) -> slice | torch.Tensor:
     """Row selector: a slice (a view, no copy) where the rows are one run, else an index."""
     if rows and rows[-1] - rows[0] + 1 == len(rows):
         return slice(rows[0], rows[-1] + 1)
@@ -86,7 +87,6 @@ class CpuMixedMetadata:
     kernel_rows: slice | torch.Tensor
     reference_rows: slice | torch.Tensor
     slot_mapping: torch.Tensor  # (T,) every row's slot, in the step's row order
-    num_tokens: int
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                scale: float) -> torch.Tensor:
@@ -141,11 +141,10 @@ class CpuDecodeBackend(TorchReferenceBackend):
                                        [block_tables[i] for i in short])
         reference = super().build([query_lens[i] for i in long], [context_lens[i] for i in long],
                                   [block_tables[i] for i in long])
-        t = starts[-1]
-        slots = torch.empty(t, dtype=torch.long)
+        slots = torch.empty(starts[-1], dtype=torch.long)
         slots[torch.tensor(short_rows)] = kernel.slot_mapping
         slots[torch.tensor(long_rows)] = reference.slot_mapping
-        return CpuMixedMetadata(kernel, reference, _rows(short_rows, t), _rows(long_rows, t), slots, t)
+        return CpuMixedMetadata(kernel, reference, _rows(short_rows), _rows(long_rows), slots)
 
     def _kernel_metadata(self, query_lens: list[int], context_lens: list[int],
                          block_tables: list[list[int]]) -> CpuDecodeMetadata:
@@ -156,7 +155,7 @@ class CpuDecodeBackend(TorchReferenceBackend):
         if n == 1 and query_lens[0] == 1:  # batch-1 decode: the latency-bound step, fewest calls
             c = context_lens[0]
             table = block_tables[0]
-            slot = table[(c - 1) // bs] * bs + (c - 1) % bs
+            slot = slot_of(table, c - 1, bs)
             return CpuDecodeMetadata(torch.from_numpy(np.array([slot], dtype=np.int64)),
                                      torch.from_numpy(np.array([table[: -(-c // bs)]], dtype=np.int32)),
                                      torch.from_numpy(np.array([c], dtype=np.int32)), c, self.sliding_window,
