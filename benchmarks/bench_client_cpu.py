@@ -88,6 +88,7 @@ def main() -> None:
     ap.add_argument("--request-rate", default="inf")
     ap.add_argument("--client-src", default=None,
                     help="run tailserve bench from another checkout's src/ (a before/after comparison)")
+    ap.add_argument("--tailserve-args", default="", help="extra arguments for tailserve bench (one string)")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     args = ap.parse_args()
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="client-cpu-"))
@@ -100,7 +101,7 @@ def main() -> None:
 
         def tailserve(name: str) -> list[str]:
             return [str(pathlib.Path(sys.executable).with_name("tailserve")), "bench", "--url", srv.url, *load,
-                    "--save-result", "--result-dir", str(tmp), "--result-filename", name]
+                    "--save-result", "--result-dir", str(tmp), "--result-filename", name, *args.tailserve_args.split()]
 
         def vllm(name: str) -> list[str]:
             return [args.vllm_python, str(VLLM_CLI), "bench", "serve", "--backend", "openai", "--base-url", srv.url,
