@@ -92,18 +92,24 @@ def _matrix_params(temperature: float, seeded: bool, n: int, tokens: int) -> lis
                            seed=1000 + i if seeded else None) for i in range(n)]
 
 
-def never_slower_matrix(args: argparse.Namespace) -> dict:
-    """Adaptive vs off per (batch, temperature, seeded) cell, short (cold) and long (warm)."""
+def _matrix_setup(args: argparse.Namespace):
+    """What both matrices share: the CPU, prompts, engine settings, batches and cells."""
     from tailserve.engine.plan import detect_capabilities
 
     caps = detect_capabilities(torch.device("cpu"))
-    print(f"CPU: {caps.cpu_capability}; {torch.get_num_threads()} threads; dtype {args.dtype or 'auto'}", flush=True)
-    prompts = held_out_prompts(32)
+    print(f"CPU: {caps.cpu_capability}; {torch.get_num_threads()} threads; dtype {args.dtype or 'auto'}"
+          + (f"; {args.pairs} pairs a cell" if args.pairs else ""), flush=True)
     common = dict(dtype=args.dtype or "auto", kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False)
     spec = {"speculative_model": args.draft or str(DEFAULT_DRAFT_DIR),
             "speculative_verification": args.verification}
     batches, temps = (1, 4, 16), (0.0, 0.8)
     cells = [(b, t, s) for b in batches for t in temps for s in ((False, True) if t > 0 else (False,))]
+    return caps, held_out_prompts(32), common, spec, batches, cells
+
+
+def never_slower_matrix(args: argparse.Namespace) -> dict:
+    """Adaptive vs off per (batch, temperature, seeded) cell, short (cold) and long (warm)."""
+    caps, prompts, common, spec, batches, cells = _matrix_setup(args)
     names = ("off", "adaptive", "control") if args.control else ("off", "adaptive")
     warm = {(b, name): LLM(**common, max_num_seqs=b, **(spec if name == "adaptive" else {}))
             for b in batches for name in names}
@@ -206,17 +212,7 @@ def verdict(lo: float, hi: float, goal: float = 0.98) -> str:
 
 def paired_matrix(args: argparse.Namespace) -> dict:
     """Adaptive vs off per cell, --pairs finely interleaved pairs of one batch each (see the docstring)."""
-    from tailserve.engine.plan import detect_capabilities
-
-    caps = detect_capabilities(torch.device("cpu"))
-    print(f"CPU: {caps.cpu_capability}; {torch.get_num_threads()} threads; dtype {args.dtype or 'auto'}; "
-          f"{args.pairs} pairs a cell", flush=True)
-    prompts = held_out_prompts(32)
-    common = dict(dtype=args.dtype or "auto", kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False)
-    spec = {"speculative_model": args.draft or str(DEFAULT_DRAFT_DIR),
-            "speculative_verification": args.verification}
-    batches, temps = (1, 4, 16), (0.0, 0.8)
-    cells = [(b, t, s) for b in batches for t in temps for s in ((False, True) if t > 0 else (False,))]
+    caps, prompts, common, spec, batches, cells = _matrix_setup(args)
 
     def engine(b: int, name: str) -> LLM:
         return LLM(**common, max_num_seqs=b, **(spec if name == "adaptive" else {}))
