@@ -93,7 +93,8 @@ def _matrix_params(temperature: float, seeded: bool, n: int, tokens: int) -> lis
 
 
 def _matrix_setup(args: argparse.Namespace):
-    """What both matrices share: the CPU, prompts, engine settings, batches and cells."""
+    """What both matrices share: the CPU, prompts, an engine factory (batch, "off" or
+    "adaptive"/"control"), the batches and the cells."""
     from tailserve.engine.plan import detect_capabilities
 
     caps = detect_capabilities(torch.device("cpu"))
@@ -104,15 +105,18 @@ def _matrix_setup(args: argparse.Namespace):
             "speculative_verification": args.verification}
     batches, temps = (1, 4, 16), (0.0, 0.8)
     cells = [(b, t, s) for b in batches for t in temps for s in ((False, True) if t > 0 else (False,))]
-    return caps, held_out_prompts(32), common, spec, batches, cells
+
+    def engine(b: int, name: str) -> LLM:
+        return LLM(**common, max_num_seqs=b, **(spec if name == "adaptive" else {}))
+
+    return caps, held_out_prompts(32), engine, batches, cells
 
 
 def never_slower_matrix(args: argparse.Namespace) -> dict:
     """Adaptive vs off per (batch, temperature, seeded) cell, short (cold) and long (warm)."""
-    caps, prompts, common, spec, batches, cells = _matrix_setup(args)
+    caps, prompts, engine, batches, cells = _matrix_setup(args)
     names = ("off", "adaptive", "control") if args.control else ("off", "adaptive")
-    warm = {(b, name): LLM(**common, max_num_seqs=b, **(spec if name == "adaptive" else {}))
-            for b in batches for name in names}
+    warm = {(b, name): engine(b, name) for b in batches for name in names}
     for llm in warm.values():
         llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     tokens = 128
@@ -130,8 +134,7 @@ def never_slower_matrix(args: argparse.Namespace) -> dict:
                 order = names + names[::-1] if (r + b) % 2 == 0 else names[::-1] + names
                 seconds = dict.fromkeys(names, 0.0)
                 for name in order:
-                    llm = warm[(b, name)] if run == "long" else \
-                        LLM(**common, max_num_seqs=b, **(spec if name == "adaptive" else {}))
+                    llm = warm[(b, name)] if run == "long" else engine(b, name)
                     before = llm.stats()["speculative"]
                     t0 = time.perf_counter()
                     llm.generate(prompts[:n], params)
@@ -212,11 +215,7 @@ def verdict(lo: float, hi: float, goal: float = 0.98) -> str:
 
 def paired_matrix(args: argparse.Namespace) -> dict:
     """Adaptive vs off per cell, --pairs finely interleaved pairs of one batch each (see the docstring)."""
-    caps, prompts, common, spec, batches, cells = _matrix_setup(args)
-
-    def engine(b: int, name: str) -> LLM:
-        return LLM(**common, max_num_seqs=b, **(spec if name == "adaptive" else {}))
-
+    caps, prompts, engine, batches, cells = _matrix_setup(args)
     warm = {(b, name): engine(b, name) for b in batches for name in ("off", "adaptive")}
     for llm in warm.values():
         llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
