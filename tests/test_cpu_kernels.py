@@ -45,6 +45,54 @@ def test_each_format_computes_the_widened_product(fmt, m, n, k, threads):
 
 
 @needs_kernels
+@pytest.mark.parametrize("n, k", [(1, 8), (67, 64), (5, 520), (130, 136), (48, 3)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_packed_in_panels_computes_the_widened_product(n, k, threads):
+    """Every tile of the outer-product kernel (1 row over 4 panels, 2 and 3 rows over 2, tiles
+    of 4-6 rows over one, the panels left over), N cut inside a panel, K of any size, and each
+    thread count: F.linear of the widened weight. The layout unpacks to the weight."""
+    g = torch.Generator().manual_seed(n * 10 + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    packed = cpu_kernels.pack_panels(w)
+    assert packed.shape == (n, k) and torch.equal(packed.unpack(), w)
+    assert packed.data.numel() * 4 == -(-n // 16) * 16 * k * 2  # the bf16 bytes, N rounded up to 16
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for m in (1, 2, 3, 4, 5, 6, 7, 13, 16, 17, 130):
+            x = torch.randn(m, k, generator=g)
+            got = KERNELS.gemm(x, packed)
+            assert got.shape == (m, n) and got.dtype == torch.float32
+            torch.testing.assert_close(got, F.linear(x, w.float()), rtol=1e-5, atol=1e-4 * k ** 0.5)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernels
+def test_panels_refuse_what_they_cannot_hold():
+    with pytest.raises(ValueError, match="bf16"):
+        cpu_kernels.pack_panels(torch.randn(4, 8))
+    packed = cpu_kernels.pack_panels(torch.randn(4, 8).bfloat16())
+    with pytest.raises(ValueError, match="row scales"):
+        KERNELS.gemm(torch.randn(1, 8), packed, torch.ones(4))
+    with pytest.raises(ValueError, match="float32 x"):
+        KERNELS.gemm(torch.randn(1, 16), packed)
+
+
+@needs_kernels
+def test_a_rows_product_in_panels_does_not_depend_on_its_batch():
+    """Bitwise, through every tile shape up to a prompt's 140 rows: a row's product is the
+    same alone, in a decode batch or in a prompt (each output sums in k order)."""
+    g = torch.Generator().manual_seed(2)
+    n, k = 83, 200
+    packed = cpu_kernels.pack_panels(torch.randn(n, k, generator=g).bfloat16())
+    x = torch.randn(140, k, generator=g)
+    alone = torch.cat([KERNELS.gemm(x[i : i + 1], packed) for i in range(140)])
+    for m in (*range(2, 18), 31, 64, 65, 140):
+        assert torch.equal(KERNELS.gemm(x[:m], packed), alone[:m]), m
+
+
+@needs_kernels
 @pytest.mark.parametrize("fmt", [torch.bfloat16, torch.int8])
 def test_a_rows_product_does_not_depend_on_its_batch(fmt):
     """Bitwise: each row of an M-row product equals that row alone, for every M and every
@@ -354,6 +402,28 @@ def test_decode_batches_up_to_64_rows_give_each_row_its_16_row_product():
     assert torch.equal(layer.forward(x)[37:38], alone)
     wide = torch.randn(65, 64)
     torch.testing.assert_close(layer.forward(wide), F.linear(wide, w), rtol=1e-5, atol=1e-5)  # widened
+
+
+@needs_kernels
+def test_panel_packed_weights_multiply_every_batch_through_the_kernel():
+    """With panels the layer keeps no row-major or float32 weight, and a prompt of any length
+    goes through the same kernel as a decode row: its rows equal those rows alone, bit for bit."""
+    from tailserve.model.linear import CpuCompactWeightsLinearMethod
+
+    w = torch.randn(40, 64).bfloat16().float()
+    b = torch.randn(40)
+    layer = Linear(40, 64, True)
+    layer.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+    layer.bias = torch.nn.Parameter(b.clone(), requires_grad=False)
+    layer.set_method(CpuCompactWeightsLinearMethod(torch.bfloat16, KERNELS, panel_packed=True))
+    assert isinstance(layer.qweight, cpu_kernels.PanelPackedWeight) and layer.weight.device.type == "meta"
+    x = torch.randn(200, 64)
+    full = layer.forward(x)
+    torch.testing.assert_close(full, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    for i in (0, 63, 199):
+        assert torch.equal(layer.forward(x[i : i + 1])[0], full[i])
+    with pytest.raises(ValueError, match="panel-packed"):
+        CpuCompactWeightsLinearMethod(torch.bfloat16, KERNELS, native_large_batches=True, panel_packed=True)
 
 
 @needs_kernels

@@ -197,6 +197,14 @@ def test_prefill_multiplies_natively_only_under_auto_on_a_cpu_with_native_bf16()
     assert not plan_target(config(), arch(), CPU, AVX2_KERNELS).model.linear.native_large_batches
 
 
+def test_bf16_weights_go_in_panels_where_no_native_product_reads_the_rows():
+    avx2 = plan_target(config(), arch(), CPU, AVX2_KERNELS).model.linear
+    assert avx2.panel_packed and "panels" in avx2.reason
+    assert not plan_target(config(), arch(), CPU, AVX512_KERNELS).model.linear.panel_packed  # native prefill
+    assert plan_target(config(dtype="float32"), arch(), CPU, AVX512_KERNELS).model.linear.panel_packed
+    assert not plan_target(config(), arch(dtype=torch.float16), CPU, AVX2_KERNELS).model.linear.panel_packed
+
+
 @pytest.mark.parametrize("cfg, a, device, caps, want", [
     # --dtype auto over a bf16 checkpoint on the CPU: float32 arithmetic, bf16 weights and K/V.
     (config(), arch(), CPU, AVX2_KERNELS, torch.bfloat16),

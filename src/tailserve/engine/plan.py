@@ -101,6 +101,8 @@ class LinearPlan:
     keep_float32: also keep the float32 weights for batches above the kernel's rows;
     native_large_batches: batches above the kernel's rows multiply in the compact dtype (a CPU
     with native bf16/fp16 products);
+    panel_packed: bf16 weights re-laid in 16-column panels, every batch through the
+    outer-product kernel (a CPU without native bf16);
     cpu_kernels: small int8 batches through the compiled kernel."""
 
     method: str
@@ -109,6 +111,7 @@ class LinearPlan:
     keep_float32: bool = False
     cpu_kernels: bool = False
     native_large_batches: bool = False
+    panel_packed: bool = False
 
 
 @dataclass(frozen=True)
@@ -241,11 +244,19 @@ def _linear_plan(device: torch.device, dtype: torch.dtype, checkpoint_dtype: tor
     if kernels and dtype == torch.float32 and checkpoint_dtype in (torch.bfloat16, torch.float16):
         # Only under --dtype auto: an explicit float32 asks for float32 products throughout.
         native = config.dtype == "auto" and cpu_has_native(checkpoint_dtype, caps.cpu_flags) and not keep_float32
+        # Without native bf16 products, bf16 weights go in the outer-product kernel's panel
+        # layout for every batch size: at 16 rows and up ~90% of the FMA peak against 65-80%
+        # for the row-major kernel, batch 1 at least as fast (2 AVX2 cores, docs/benchmarks.md).
+        # Native prefill (and a kept float32 copy) read the row layout, so they keep it.
+        panels = checkpoint_dtype == torch.bfloat16 and not native and not keep_float32
         return LinearPlan("cpu-compact-weights",
                           f"float32 arithmetic over the {_name(checkpoint_dtype)} weights as stored"
                           + (f"; batches above {CpuCompactWeightsLinearMethod.SMALL_BATCH} rows (prefill) in native "
-                             f"{_name(checkpoint_dtype)}" if native else ""),
-                          compact_dtype=checkpoint_dtype, keep_float32=keep_float32, native_large_batches=native)
+                             f"{_name(checkpoint_dtype)}" if native else "")
+                          + ("; re-laid in 16-column panels, every batch through the outer-product kernel"
+                             if panels else ""),
+                          compact_dtype=checkpoint_dtype, keep_float32=keep_float32, native_large_batches=native,
+                          panel_packed=panels)
     if cpu and config.cpu_onednn and caps.onednn:
         why = "oneDNN's blocked weight layout"
         if cpu and dtype == torch.float32 and checkpoint_dtype in (torch.bfloat16, torch.float16):

@@ -69,7 +69,7 @@ def _linear_method(plan: ModelPlan, kernels) -> LinearMethod:
     lp = plan.linear
     uses_kernels = lp.method == "cpu-compact-weights" or lp.cpu_kernels
     return build_linear_method(lp.method, kernels if uses_kernels else None, lp.compact_dtype, lp.keep_float32,
-                               lp.native_large_batches)
+                               lp.native_large_batches, lp.panel_packed)
 
 
 def _attention_backend(plan: ModelPlan, args: tuple, kernels) -> AttentionBackend:

@@ -223,8 +223,10 @@ class CpuCompactWeightsLinearMethod(LinearMethod):
     model, in half its weight bytes: a decode step's time is its weight bytes over the memory
     bandwidth. Batches of up to ``SMALL_BATCH`` rows go through the compiled kernel
     (kernels/cpu); larger ones (prefill chunks, whose products are compute-bound) widen
-    the weight once per call and use PyTorch's float32 kernel. A layer whose weights do not
-    round-trip exactly (a checkpoint that stores float32 under a bf16 config) keeps float32."""
+    the weight once per call and use PyTorch's float32 kernel, except with ``panel_packed``
+    (bf16 on a CPU without native bf16), where every batch goes through the outer-product
+    kernel. A layer whose weights do not round-trip exactly (a checkpoint that stores float32
+    under a bf16 config) keeps float32."""
 
     name = "cpu-compact-weights"
     SMALL_BATCH = 16
@@ -235,8 +237,17 @@ class CpuCompactWeightsLinearMethod(LinearMethod):
     CHUNKED_MAX_ROWS = 64
 
     def __init__(self, weight_dtype: torch.dtype, kernels, keep_float32: bool = False,
-                 native_large_batches: bool = False) -> None:
+                 native_large_batches: bool = False, panel_packed: bool = False) -> None:
+        if panel_packed and (weight_dtype != torch.bfloat16 or keep_float32 or native_large_batches):
+            raise ValueError("panel-packed weights are bf16, without a float32 copy or native products "
+                             "(both read the row layout)")
         self.weight_dtype = weight_dtype
+        # bf16 weights re-laid in 16-column panels for the outer-product kernel (kernels/cpu
+        # PanelPackedWeight), which then multiplies batches of every size: at 16 rows and up
+        # 1.25-1.45x the row-major kernel and faster than PyTorch's float32 GEMM over widened
+        # weights (2 AVX2 cores, docs/benchmarks.md). Each output sums in k order whatever the
+        # batch, so a row's product is the same alone, in a decode batch, or in a prompt.
+        self.panel_packed = panel_packed
         # On a CPU with native bf16 (fp16) products, the forwards of pure prompt steps (inside
         # native_scope(True)) multiply batches above SMALL_BATCH in the weights' own dtype,
         # activations rounded to it, accumulating in float32: 2.5-3x faster than widening here
@@ -269,14 +280,14 @@ class CpuCompactWeightsLinearMethod(LinearMethod):
             layer.method = OneDNNPackedLinearMethod() if onednn_available() else PLAIN
             layer.method.process_weights_after_loading(layer)
             return
-        layer.qweight = w
+        layer.qweight = self.kernels.pack_panels(w) if self.panel_packed else w
         if not self.keep_float32:
             layer.weight = nn.Parameter(torch.empty(w.shape, dtype=torch.float32, device="meta"), requires_grad=False)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.shape[0] <= self.SMALL_BATCH:
+        if self.panel_packed or x2.shape[0] <= self.SMALL_BATCH:
             y = self.kernels.gemm(x2, layer.qweight)
             if layer.bias is not None:
                 y += layer.bias
@@ -298,7 +309,8 @@ QUANTIZATIONS = ("int8",)
 
 
 def build_linear_method(method: str, kernels=None, compact_dtype: torch.dtype | None = None,
-                        keep_float32: bool = False, native_large_batches: bool = False) -> LinearMethod:
+                        keep_float32: bool = False, native_large_batches: bool = False,
+                        panel_packed: bool = False) -> LinearMethod:
     """The linear method the execution plan chose (engine/plan.py ``LinearPlan``): ``kernels``
     is the compiled CPU kernels' handle where the plan uses them (kernels.cpu.CpuKernels)."""
     if method == PlainLinearMethod.name:
@@ -310,7 +322,7 @@ def build_linear_method(method: str, kernels=None, compact_dtype: torch.dtype | 
     if method == CpuCompactWeightsLinearMethod.name:
         if kernels is None or compact_dtype is None:
             raise ValueError("cpu-compact-weights needs the compiled CPU kernels and the weights' compact dtype")
-        return CpuCompactWeightsLinearMethod(compact_dtype, kernels, keep_float32, native_large_batches)
+        return CpuCompactWeightsLinearMethod(compact_dtype, kernels, keep_float32, native_large_batches, panel_packed)
     raise ValueError(f"unknown linear method {method!r}")
 
 

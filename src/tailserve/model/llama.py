@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tailserve.attention.backend import LayerAttentionMetadata
-from tailserve.kernels.cpu import WEIGHT_FORMATS, LayerStruct
+from tailserve.kernels.cpu import LayerStruct, PanelPackedWeight, weight_format
 from tailserve.model.config import ModelArchConfig
 from tailserve.model.linear import (
     SINGLE,
@@ -94,7 +94,7 @@ class FusedDecodeLayer:
 
     MAX_ROWS = 16
 
-    def __init__(self, kernels, layer: DecoderLayer, fmt: int, weights: list[torch.Tensor],
+    def __init__(self, kernels, layer: DecoderLayer, fmt: int, weights: list[torch.Tensor | PanelPackedWeight],
                  scales: list[torch.Tensor | None]) -> None:
         attn = layer.self_attn
         self.kernels = kernels
@@ -145,9 +145,10 @@ def fuse_decode_layers(model: LlamaFamilyModel, kernels) -> int:
                 scales.append(lin.scales_f32)
             else:
                 break
-        if len(weights) != 4 or len({w.dtype for w in weights}) != 1:
+        formats = {weight_format(w) for w in weights}
+        if len(weights) != 4 or len(formats) != 1:
             continue
-        layer.fused = FusedDecodeLayer(kernels, layer, WEIGHT_FORMATS[weights[0].dtype], weights, scales)
+        layer.fused = FusedDecodeLayer(kernels, layer, formats.pop(), weights, scales)
         count += 1
     return count
 

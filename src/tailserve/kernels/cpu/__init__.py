@@ -17,6 +17,7 @@ says which.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import logging
 import os
@@ -55,6 +56,55 @@ class StepStruct(ctypes.Structure):
 
 
 WEIGHT_FORMATS = {torch.bfloat16: 0, torch.float16: 1, torch.int8: 2}
+PANEL_PACKED_BF16 = 3  # tailserve_layer.fmt of PanelPackedWeight
+PANEL_COLUMNS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class PanelPackedWeight:
+    """bf16 weights (N, K) re-laid for the outer-product kernel (``tailserve_gemm_bf16p``):
+    panels of 16 output columns, k-major; the 32-bit word (p, k, j) holds column 16p + j in
+    its low half and column 16p + 8 + j in its high half (zero past N). The same bytes as the
+    (N, K) bf16 tensor, N rounded up to 16."""
+
+    data: torch.Tensor  # (ceil(N / 16), K, 8) int32
+    n: int
+
+    @property
+    def k(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.n, self.k
+
+    def data_ptr(self) -> int:
+        return self.data.data_ptr()
+
+    def unpack(self) -> torch.Tensor:
+        """The (N, K) bf16 weight back (tests, and paths that need the row layout)."""
+        p, k, _ = self.data.shape
+        pairs = self.data.view(torch.bfloat16).view(p, k, 8, 2)  # (P, K, j, half)
+        return pairs.permute(0, 3, 2, 1).reshape(p * PANEL_COLUMNS, k)[: self.n].contiguous()
+
+
+def pack_panels(w: torch.Tensor) -> PanelPackedWeight:
+    """(N, K) bf16 -> PanelPackedWeight; on a little-endian CPU the pair (low, high) of bf16
+    values is the 32-bit word low | high << 16."""
+    if w.dtype != torch.bfloat16 or w.dim() != 2:
+        raise ValueError(f"pack_panels takes a 2-D bf16 weight, got {w.dtype} {tuple(w.shape)}")
+    n, k = w.shape
+    padded = -(-n // PANEL_COLUMNS) * PANEL_COLUMNS
+    if padded != n:
+        w = torch.cat([w, w.new_zeros(padded - n, k)])
+    # (P, half, j, K) -> (P, K, j, half): column 16p + 8 * half + j
+    packed = w.view(padded // PANEL_COLUMNS, 2, 8, k).permute(0, 3, 2, 1).contiguous()
+    return PanelPackedWeight(packed.view(torch.int32).view(padded // PANEL_COLUMNS, k, 8), n)
+
+
+def weight_format(w: torch.Tensor | PanelPackedWeight) -> int:
+    """``tailserve_layer.fmt`` of a weight the kernels take."""
+    return PANEL_PACKED_BF16 if isinstance(w, PanelPackedWeight) else WEIGHT_FORMATS[w.dtype]
 # The KV cache formats the decode attention reads (widened to float32 in registers).
 KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -71,6 +121,9 @@ class CpuKernels:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, None
             self._fns[fmt] = fn
+        self._gemm_panels = lib.tailserve_gemm_bf16p
+        self._gemm_panels.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
+        self._gemm_panels.restype = None
 
         self._norm = lib.tailserve_add_rms_norm
         self._norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_float]
@@ -229,6 +282,11 @@ class CpuKernels:
                    m, k, eps)
         return y, stream
 
+    @staticmethod
+    def pack_panels(w: torch.Tensor) -> PanelPackedWeight:
+        """(N, K) bf16 -> the panel layout ``gemm`` multiplies with the outer-product kernel."""
+        return pack_panels(w)
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """(M, 2I) float32 -> silu(gate) * up, (M, I)."""
         gate_up = gate_up.contiguous()
@@ -238,19 +296,29 @@ class CpuKernels:
         return out
 
     @staticmethod
-    def supports(w: torch.Tensor) -> bool:
-        """Whether a weight can go through these kernels (2-D, contiguous, K a multiple of 8)."""
+    def supports(w: torch.Tensor | PanelPackedWeight) -> bool:
+        """Whether a weight can go through these kernels (2-D, contiguous, K a multiple of 8;
+        or packed in panels)."""
+        if isinstance(w, PanelPackedWeight):
+            return True
         return (w.dim() == 2 and w.is_contiguous() and w.device.type == "cpu" and w.shape[1] % 8 == 0
                 and w.dtype in (torch.bfloat16, torch.float16, torch.int8))
 
-    def gemm(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-        """x (M, K) float32, w (N, K) compact, scale (N,) float32 or None -> (M, N) float32."""
+    def gemm(self, x: torch.Tensor, w: torch.Tensor | PanelPackedWeight,
+             scale: torch.Tensor | None = None) -> torch.Tensor:
+        """x (M, K) float32, w (N, K) compact or packed in panels, scale (N,) float32 or None
+        (not with panels) -> (M, N) float32."""
         x = x.contiguous()
         m, k = x.shape
         n = w.shape[0]
         if x.dtype != torch.float32 or w.shape[1] != k:
             raise ValueError(f"gemm takes float32 x (M, {w.shape[1]}), got {x.dtype} {tuple(x.shape)}")
         y = torch.empty((m, n), dtype=torch.float32)
+        if isinstance(w, PanelPackedWeight):
+            if scale is not None:
+                raise ValueError("weights packed in panels take no row scales")
+            self._gemm_panels(x.data_ptr(), w.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads())
+            return y
         self._fns[w.dtype](x.data_ptr(), w.data_ptr(), 0 if scale is None else scale.data_ptr(), y.data_ptr(),
                            m, n, k, torch.get_num_threads())
         return y
