@@ -5,7 +5,9 @@ Measured on a 2-core AVX2 machine (docs/benchmarks.md): PyTorch's float32 produc
 decode step read weights at about half the memory bandwidth, and its bf16 ones are slower
 still on a CPU without native bf16, while a decode step's time is its weight bytes over the
 bandwidth. ``gemv_avx2.c`` keeps weights compact and widens them in registers (what
-llama.cpp does). It is compiled on first use with the system C compiler (``$CC``, else
+llama.cpp does): row-major for its dot-product kernels, or bf16 re-laid in 16-column panels
+(``pack_panels``) for its outer-product kernel, which runs 16-row and prompt products near the
+FMA peak. It is compiled on first use with the system C compiler (``$CC``, else
 ``cc``/``gcc``) into ``$TAILSERVE_CACHE_DIR`` (default ``~/.cache/tailserve/kernels``), keyed
 by the source's hash, and loaded with ctypes: no PyTorch headers, about a second to build.
 
