@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tailserve.errors import CheckpointFormatError
+from tailserve.kernels.cpu import pack_panels
 
 
 def onednn_available() -> bool:
@@ -280,7 +281,7 @@ class CpuCompactWeightsLinearMethod(LinearMethod):
             layer.method = OneDNNPackedLinearMethod() if onednn_available() else PLAIN
             layer.method.process_weights_after_loading(layer)
             return
-        layer.qweight = self.kernels.pack_panels(w) if self.panel_packed else w
+        layer.qweight = pack_panels(w) if self.panel_packed else w
         if not self.keep_float32:
             layer.weight = nn.Parameter(torch.empty(w.shape, dtype=torch.float32, device="meta"), requires_grad=False)
 

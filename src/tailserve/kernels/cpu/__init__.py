@@ -84,7 +84,7 @@ class PanelPackedWeight:
         return self.data.data_ptr()
 
     def unpack(self) -> torch.Tensor:
-        """The (N, K) bf16 weight back (tests, and paths that need the row layout)."""
+        """The (N, K) bf16 weight back (the layout's check in tests)."""
         p, k, _ = self.data.shape
         pairs = self.data.view(torch.bfloat16).view(p, k, 8, 2)  # (P, K, j, half)
         return pairs.permute(0, 3, 2, 1).reshape(p * PANEL_COLUMNS, k)[: self.n].contiguous()
@@ -283,11 +283,6 @@ class CpuKernels:
         self._norm(stream.data_ptr(), 0 if residual is None else x.data_ptr(), weight.data_ptr(), y.data_ptr(),
                    m, k, eps)
         return y, stream
-
-    @staticmethod
-    def pack_panels(w: torch.Tensor) -> PanelPackedWeight:
-        """(N, K) bf16 -> the panel layout ``gemm`` multiplies with the outer-product kernel."""
-        return pack_panels(w)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """(M, 2I) float32 -> silu(gate) * up, (M, I)."""
