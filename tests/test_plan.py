@@ -248,3 +248,17 @@ def test_the_engine_loop_inline_on_the_cpu_on_its_own_thread_beside_a_gpu(device
 def test_an_unknown_engine_loop_is_a_config_error():
     with pytest.raises(ConfigError, match="engine_loop must be one of auto, inline, thread"):
         config(engine_loop="process")
+
+
+@pytest.mark.parametrize("device,caps,flag,want", [
+    (CPU, AVX2_KERNELS, None, 1), (CUDA, H200, None, 0), (CPU, AVX2_KERNELS, 0, 0), (CUDA, H200, 2, 2),
+])
+def test_one_long_prefill_per_step_on_a_cpu_server_unless_told(device, caps, flag, want):
+    plan = plan_target(config(device=device.type, max_long_partial_prefills=flag), arch(), device, caps)
+    assert plan.max_long_partial_prefills == want
+    assert plan.describe()["long_prefills_per_step"].startswith(f"{want or 'any'} (")
+
+
+def test_a_negative_long_prefill_limit_is_a_config_error():
+    with pytest.raises(ConfigError, match="max_long_partial_prefills must be an integer >= 0"):
+        config(max_long_partial_prefills=-1)

@@ -68,6 +68,52 @@ def test_without_chunked_prefill_a_prompt_waits_for_budget():
     assert [q.request_id for q in out.scheduled] == ["a"]  # 1 + 8 > 8
 
 
+def test_one_long_prefill_per_step_staggers_a_burst():
+    # Four prompts over the threshold arrive together: one is prefilled per step, beside the
+    # decodes of those before it, so equal-length requests start (and finish) a step apart.
+    pool = BlockPool(64, 4, True)
+    s = Scheduler(SchedulerConfig(8, 64, True, 0, max_long_partial_prefills=1, long_prefill_token_threshold=5), pool)
+    for i, r in enumerate("abcd"):
+        s.add_request(req(r, 8, max_tokens=3, start=10 + 20 * i))
+    steps = [[(q.request_id, q.num_tokens) for q in run_step(s)[0].scheduled] for _ in range(4)]
+    assert steps == [[("a", 8)], [("a", 1), ("b", 8)], [("a", 1), ("b", 1), ("c", 8)], [("b", 1), ("c", 1), ("d", 8)]]
+
+
+def test_short_prompts_are_not_held_behind_the_long_prefill_limit():
+    pool = BlockPool(64, 4, True)
+    s = Scheduler(SchedulerConfig(8, 64, True, 0, max_long_partial_prefills=1, long_prefill_token_threshold=5), pool)
+    s.add_request(req("long", 8))
+    for i, r in enumerate("xyz"):
+        s.add_request(req(r, 5, start=100 + 10 * i))  # not over the threshold
+    out, _ = run_step(s)
+    assert [(q.request_id, q.num_tokens) for q in out.scheduled] == [("long", 8), ("x", 5), ("y", 5), ("z", 5)]
+
+
+def test_a_chunked_long_prefill_counts_until_its_rest_is_short():
+    # The running chunk holds the one long slot; once what is left of it is under the
+    # threshold, the next long prompt starts beside it.
+    pool = BlockPool(64, 4, True)
+    s = Scheduler(SchedulerConfig(8, 8, True, 0, max_long_partial_prefills=1, long_prefill_token_threshold=5), pool)
+    s.add_request(req("a", 14))
+    s.add_request(req("b", 8, start=100))
+    steps = [[(q.request_id, q.num_tokens) for q in run_step(s)[0].scheduled] for _ in range(3)]
+    assert steps == [[("a", 8)], [("a", 6)], [("a", 1), ("b", 7)]]  # a's rest of 6 is still long
+    s = Scheduler(SchedulerConfig(8, 8, True, 0, max_long_partial_prefills=1, long_prefill_token_threshold=5),
+                  BlockPool(64, 4, True))
+    s.add_request(req("a", 12))
+    s.add_request(req("b", 8, start=100))
+    steps = [[(q.request_id, q.num_tokens) for q in run_step(s)[0].scheduled] for _ in range(3)]
+    assert steps == [[("a", 8)], [("a", 4), ("b", 4)], [("a", 1), ("b", 4)]]  # a's rest of 4 is short
+
+
+def test_no_long_prefill_limit_admits_the_whole_burst():
+    s = make()
+    for i, r in enumerate("abcd"):
+        s.add_request(req(r, 8, start=10 + 20 * i))
+    out, _ = run_step(s)
+    assert [q.request_id for q in out.scheduled] == ["a", "b", "c", "d"]
+
+
 def test_max_num_seqs_and_fcfs():
     s = make(max_seqs=2)
     for r in "abc":

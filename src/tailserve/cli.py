@@ -45,6 +45,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="admit a request only while the KV blocks the running requests need for their next N tokens "
                         "(each at most its max_tokens) stay free; 0: admit while any block is free and preempt when "
                         "blocks run out (vLLM V1's rule)")
+    g.add_argument("--max-long-partial-prefills", type=int, default=None,
+                   help="at most N requests with long prompts (over 4%% of --max-model-len tokens still to compute) "
+                        "are prefilled per step, so prompts that arrive together start decoding one after another; "
+                        "0: no limit. Default: 1 for tailserve serve on the CPU, else no limit")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--prefix-caching-hash-algo", choices=["builtin", "sha256_cbor_64bit"], default=None,
@@ -122,8 +126,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="suffix decoding: finished requests kept in the global cache (0: the request's own text only)")
 
 
-def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+def _engine_kwargs(args: argparse.Namespace, serving: bool = False) -> dict[str, object]:
+    """EngineConfig's fields from the shared engine flags. ``serving``: settings left to the
+    plan for a server keep None (``--max-long-partial-prefills``); offline they default to 0."""
+    long_prefills = args.max_long_partial_prefills
     return dict(
+        max_long_partial_prefills=long_prefills if long_prefills is not None or serving else 0,
         dtype=args.dtype, device=args.device, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_memory_bytes=None if args.kv_cache_memory is None else parse_bytes(args.kv_cache_memory),
         max_num_seqs=args.max_num_seqs, admission_reserve_tokens=args.admission_reserve_tokens,
@@ -213,7 +221,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           enable_metrics=not args.disable_metrics, gateway_metrics=args.gateway_metrics,
                           record_memory_history=args.record_memory_history, warmup=not args.no_warmup,
                           custom_histogram_buckets=args.custom_histogram_buckets, engine_loop=args.engine_loop,
-                          **_engine_kwargs(args))  # type: ignore[arg-type]
+                          **_engine_kwargs(args, serving=True))  # type: ignore[arg-type]
     check_bindable(args.host, args.port)  # fail before spending seconds loading the model
     tracer = None
     if args.otlp_traces_endpoint is not None:
@@ -292,7 +300,7 @@ def _serve_on_ray(args: argparse.Namespace, tools: dict[str, object]) -> int:
     from tailserve.server.run import check_bindable
 
     check_bindable(args.host, args.port)
-    kw = _engine_kwargs(args)
+    kw = _engine_kwargs(args, serving=True)
     kw.update(model=args.model, enable_metrics=not args.disable_metrics, gateway_metrics=args.gateway_metrics,
               record_memory_history=args.record_memory_history, warmup=not args.no_warmup,
               custom_histogram_buckets=args.custom_histogram_buckets)

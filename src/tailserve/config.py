@@ -78,21 +78,36 @@ def parse_slo(text: str) -> SloBounds:
 DEFAULT_ADMISSION_RESERVE_TOKENS = 64
 
 
+# vLLM V0's default for what counts as a long prompt: 4% of the context length.
+LONG_PREFILL_FRACTION = 0.04
+
+
+def long_prefill_threshold(max_model_len: int) -> int:
+    """Prompt tokens above which a prefill counts against ``max_long_partial_prefills``."""
+    return max(1, int(max_model_len * LONG_PREFILL_FRACTION))
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     admission_reserve_tokens: int = DEFAULT_ADMISSION_RESERVE_TOKENS
+    # vLLM V0's --max-long-partial-prefills: at most this many requests with more than
+    # long_prefill_token_threshold prompt tokens still to compute get prompt tokens in one
+    # step (0: no limit). Shorter prompts are not limited.
+    max_long_partial_prefills: int = 0
+    long_prefill_token_threshold: int = 81
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
-        v = self.admission_reserve_tokens
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ConfigError(f"admission_reserve_tokens must be an integer >= 0, got {v!r}")
+        for name in ("admission_reserve_tokens", "max_long_partial_prefills"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"{name} must be an integer >= 0, got {v!r}")
 
 
 # Measured on the built-in pair over held-out prompts (docs/benchmarks.md): drafts whose
@@ -234,6 +249,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     admission_reserve_tokens: int = DEFAULT_ADMISSION_RESERVE_TOKENS  # (see SchedulerConfig)
+    # Long prompts prefilled per step (see SchedulerConfig; long: more than 4% of
+    # max_model_len). 0: no limit (vLLM V1's behaviour, and the offline default here);
+    # None: the plan decides (plan_long_prefills: 1 on the CPU; tailserve serve's default).
+    max_long_partial_prefills: int | None = 0
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
     seed: int = 0
@@ -487,4 +506,4 @@ class EngineConfig:
     @property
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.enable_chunked_prefill,
-                               self.admission_reserve_tokens)
+                               self.admission_reserve_tokens, self.max_long_partial_prefills or 0)

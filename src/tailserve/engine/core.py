@@ -11,11 +11,11 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from tailserve.config import EngineConfig, parse_slo
+from tailserve.config import EngineConfig, long_prefill_threshold, parse_slo
 from tailserve.engine.processor import PreparedRequest
 from tailserve.engine.request import Request, RequestStatus
 from tailserve.engine.scheduler import Scheduler
@@ -93,7 +93,10 @@ class EngineCore:
                                               cost_profile=info.verify_costs,
                                               objective=config.speculative_objective,
                                               slo=parse_slo(config.slo) if config.slo is not None else None)
-        self.scheduler = Scheduler(config.scheduler_config, self.block_pool, speculation)
+        sched_config = replace(config.scheduler_config,
+                               max_long_partial_prefills=info.plan.max_long_partial_prefills,
+                               long_prefill_token_threshold=long_prefill_threshold(info.max_model_len))
+        self.scheduler = Scheduler(sched_config, self.block_pool, speculation)
         self.step_log: deque[StepStats] = deque(maxlen=4096)
         self.num_steps = 0
         self.num_oom_preemptions = 0  # requests preempted because a step ran out of device memory

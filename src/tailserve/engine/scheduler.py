@@ -12,7 +12,11 @@ Policy, per step, under ``max_num_batched_tokens`` and ``max_num_seqs``:
    to be recomputed later (its cached prefix blocks usually make that cheap).
 2. Then waiting requests, first come first served, each starting from its longest
    prefix-cache hit, while budget, sequence slots and free blocks last. No new request is
-   admitted in a step that had to preempt.
+   admitted in a step that had to preempt. With ``max_long_partial_prefills`` (vLLM V0's
+   flag; the CPU server's default is 1), a request with more than
+   ``long_prefill_token_threshold`` tokens to compute waits while that many long prefills
+   already run this step: prompts that start together with equal lengths would otherwise
+   finish together, and a burst would stay a burst, wave after wave.
 3. With speculative decoding, the scheduler owns the round: it schedules the draft tokens
    proposed last step for verification, chooses how many to propose after this step (the
    adaptive controller's k, for every request: a seeded one's output does not depend on k)
@@ -259,11 +263,14 @@ class Scheduler:
         self._preempted_since_step = []
         budget = self.config.max_num_batched_tokens
         chosen: list[Request] = []
+        long_limit = self.config.max_long_partial_prefills
+        num_long = 0  # long prefills given tokens this step
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids), budget)
+            num_long += self._is_long_prefill(req, req.num_computed_tokens)
             preempted_self = False
             while not self._try_allocate(req, req.num_computed_tokens + num_new):
                 victim = self.running.pop()
@@ -288,6 +295,9 @@ class Scheduler:
                 num_new = req.num_tokens - num_computed
                 if num_new > budget and not self.config.enable_chunked_prefill:
                     break
+                is_long = self._is_long_prefill(req, num_computed)
+                if is_long and long_limit and num_long >= long_limit:
+                    break  # first come, first served: it waits for the long prefill ahead of it
                 num_new = min(num_new, budget)
                 # Cache-hit blocks that are currently free stop being free when taken.
                 free_hits = sum(1 for b in hits if self.pool.blocks[b].ref_count == 0)
@@ -321,12 +331,18 @@ class Scheduler:
                 chosen.append(req)
                 budget -= num_new
                 reserve += grows
+                num_long += is_long
 
         if self.speculation is not None and out.scheduled:
             self._reserve_lookahead(out, chosen)
         for req in chosen:
             self._describe(req, out)
         return out
+
+    def _is_long_prefill(self, req: Request, num_computed: int) -> bool:
+        """Whether ``req`` still has more than the long-prefill threshold of its prompt (or, after
+        a preemption, of its context) to compute."""
+        return req.num_tokens - num_computed > self.config.long_prefill_token_threshold
 
     def _growth_blocks(self, req: Request, held: int | None = None) -> int:
         """Blocks ``req`` lacks, beyond the ``held`` it has (default: its block table), for the
