@@ -97,7 +97,7 @@ class SchedulerConfig:
     # long_prefill_token_threshold prompt tokens still to compute get prompt tokens in one
     # step (0: no limit). Shorter prompts are not limited.
     max_long_partial_prefills: int = 0
-    long_prefill_token_threshold: int = 81
+    long_prefill_token_threshold: int = 81  # 4% of 2,048; EngineCore sets it from max_model_len
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold"):

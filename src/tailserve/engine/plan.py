@@ -388,12 +388,12 @@ def plan_long_prefills(config: EngineConfig, device: torch.device) -> tuple[int,
 
     ``tailserve serve`` leaves it to the plan (``max_long_partial_prefills=None``); the
     offline API and an explicit ``--max-long-partial-prefills`` fix it. On the CPU a step that
-    prefills many prompts at once runs for hundreds of milliseconds (16 x 128 tokens of the
-    55M Llama: ~0.5 s on 2 AVX2 cores), every request in it waits for the whole step, and
+    prefills many prompts at once runs for hundreds of milliseconds, every request in it
+    waits for the whole step, and
     requests that start together with equal lengths finish together: a burst stays a burst,
     wave after wave. One long prefill per step beside the decodes staggers them (measured on
-    2 AVX2 cores, 64 x 128/128 at 16 concurrent, ``vllm bench serve``: TTFT P50 170-210 ms in
-    every load, against 220-720 ms swinging between loads, at the same throughput). On a GPU a
+    2 AVX2 cores, 64 x 128/128 at 16 concurrent, ``vllm bench serve``: TTFT P50 174-200 ms in
+    every load, against 172-770 ms swinging between loads, at the same throughput). On a GPU a
     step of many prompts is short; vLLM V1's rule (no limit) holds."""
     if config.max_long_partial_prefills is not None:
         return config.max_long_partial_prefills, (

@@ -270,7 +270,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids), budget)
-            num_long += self._is_long_prefill(req, req.num_computed_tokens)
+            if long_limit:
+                num_long += self._is_long_prefill(req, req.num_computed_tokens)
             preempted_self = False
             while not self._try_allocate(req, req.num_computed_tokens + num_new):
                 victim = self.running.pop()
@@ -295,8 +296,8 @@ class Scheduler:
                 num_new = req.num_tokens - num_computed
                 if num_new > budget and not self.config.enable_chunked_prefill:
                     break
-                is_long = self._is_long_prefill(req, num_computed)
-                if is_long and long_limit and num_long >= long_limit:
+                is_long = bool(long_limit) and self._is_long_prefill(req, num_computed)
+                if is_long and num_long >= long_limit:
                     break  # first come, first served: it waits for the long prefill ahead of it
                 num_new = min(num_new, budget)
                 # Cache-hit blocks that are currently free stop being free when taken.

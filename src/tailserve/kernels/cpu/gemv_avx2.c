@@ -40,8 +40,8 @@ static inline __m256 widen_i8(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
 
-/* Elements ahead of the current one that each thread prefetches in the rows it has claimed
- * (4-8 KB: measured best here, 10 -> 19 GB/s for a bf16 weight streamed from DRAM). */
+/* Elements ahead of the current one that each thread prefetches, past the end of its chunk
+ * too (4-8 KB: measured best here, 10 -> 19 GB/s for a bf16 weight streamed from DRAM). */
 #define PREFETCH_AHEAD 2048
 
 /* Work is claimed in chunks from a shared counter, not split in equal halves up front: on a
