@@ -33,7 +33,7 @@ adaptive time over the pairs (the tok/s ratio of the whole interleaved run) with
 bootstrap interval over the pairs, and its verdict: "met" when the interval lies at or above
 0.98, "slower" when it lies below, "undecided" when it straddles 0.98 (more pairs narrow it).
 
-    python benchmarks/bench_speculative.py --matrix --pairs 12 [--json out.json]
+    python benchmarks/bench_speculative.py --matrix --pairs 12 [--run-kinds short,long] [--json out.json]
 """
 
 from __future__ import annotations
@@ -216,7 +216,10 @@ def verdict(lo: float, hi: float, goal: float = 0.98) -> str:
 def paired_matrix(args: argparse.Namespace) -> dict:
     """Adaptive vs off per cell, --pairs finely interleaved pairs of one batch each (see the docstring)."""
     caps, prompts, engine, batches, cells = _matrix_setup(args)
-    warm = {(b, name): engine(b, name) for b in batches for name in ("off", "adaptive")}
+    kinds = [k for k in ("short", "long") if k in args.run_kinds.split(",")]
+    if not kinds:
+        raise SystemExit("--run-kinds: short, long or both")
+    warm = {(b, name): engine(b, name) for b in batches for name in ("off", "adaptive")} if "long" in kinds else {}
     for llm in warm.values():
         llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     tokens = 128
@@ -226,7 +229,7 @@ def paired_matrix(args: argparse.Namespace) -> dict:
           "off tok/s | drafts a token", flush=True)
     for b, t, seeded in cells:
         row = {"batch": b, "temperature": t, "seeded": seeded}
-        for run in ("short", "long"):
+        for run in kinds:
             secs: dict[str, list[float]] = {"off": [], "adaptive": []}
             drafted = produced = 0
             for i in range(args.pairs):
@@ -252,7 +255,7 @@ def paired_matrix(args: argparse.Namespace) -> dict:
             print(f"{b:>5} {t:>5} {'yes' if seeded else 'no':>5} {run:>6} | {point:.3f}x [{lo:.3f}, {hi:.3f}] "
                   f"{verdict(lo, hi):<9} | {off_tps:7.0f} | {drafted / produced:.2f}", flush=True)
         out["cells"].append(row)
-    verdicts = [row[run]["verdict"] for row in out["cells"] for run in ("short", "long")]
+    verdicts = [row[run]["verdict"] for row in out["cells"] for run in kinds]
     out["summary"] = {v: verdicts.count(v) for v in ("met", "undecided", "slower")}
     print(f"cells x runs: {out['summary']} (goal: adaptive >= 0.98x off; {caps.cpu_capability})")
     return out
@@ -266,6 +269,8 @@ def main() -> None:
                     help="--matrix: a second engine with speculation off in every run (the noise floor)")
     ap.add_argument("--pairs", type=int, default=0,
                     help="--matrix: finely paired runs per cell instead of rounds (see the docstring)")
+    ap.add_argument("--run-kinds", default="short,long",
+                    help="--matrix --pairs: which runs to measure, short (cold) and/or long (warm)")
     ap.add_argument("--runs", type=int, default=None, help="rounds (default 2; 3 with --matrix)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=256)

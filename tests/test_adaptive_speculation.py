@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
-from tailserve.speculative.adaptive import AdaptiveSpeculation, VerifyCostProfile
+from tailserve.speculative.adaptive import AdaptiveSpeculation, BatchOutlook, VerifyCostProfile
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -123,14 +124,14 @@ def _steady(ctl, b, k, tokens, seconds, steps=4):
         ctl.observe_throughput(tokens, seconds, *ctl.last_round)
 
 
-def _run(ctl, b, step, steps):
+def _run(ctl, b, step, steps, outlook=None):
     """Drive the controller as the engine does: choose k, run the step on a synthetic machine
     (``step(k) -> (tokens, seconds)``), report its throughput with the next choice. Returns
     the k of every step and the tokens/s over the whole run."""
     ks, tokens, seconds = [], 0, 0.0
     pending = None
     for _ in range(steps):
-        k = ctl.choose_k(b)
+        k = ctl.choose_k(b, outlook=outlook)
         if pending is not None:
             ctl.observe_throughput(*pending)
         n, s = step(k)
@@ -602,3 +603,32 @@ def test_drafts_first_steps_after_off_stay_out_of_ks_window():
     ctl._set(0, 1)
     ctl._explore(2, ctl.bucket(1), 1)
     assert ctl._explore_left == ctl.explore_len - 1 + ctl.spec_settle_steps
+
+
+def test_a_buckets_first_exploration_with_drafts_waits_until_the_run_can_pay_for_it():
+    """By the profile, a first exploration of k = 1 costs 7 steps x 0.1 ms of drafts plus the
+    draft's catch-up over 500 context tokens at 10 us each: 5.7 ms, which at a 1% budget needs
+    a 0.57 s horizon (6.4 ms and 0.64 s for k = 2). Requests with 128 tokens left (0.14 s at
+    1.1 ms a step) stay off without exploring, though speculation would pay; with 4,000 tokens
+    left the bucket explores at once; short requests one after another explore once the
+    bucket's own time covers it."""
+    profile = replace(_linear_rows_profile(1, 0.0, 0.1, 2), catch_up_s_per_token=1e-5)
+    assert profile.first_exploration_s(1, 1, 1e-3, True, 7, 500) == pytest.approx(7 * 0.1e-3 + 5e-3)
+    machine = lambda k: (1 + 0.9 * k, 1.1e-3 + 0.1e-3 * k)  # noqa: E731 (drafts pay)
+    short = lambda: BatchOutlook(remaining_tokens=128, context_tokens=500)  # noqa: E731
+    ctl = _profiled(profile)
+    ks, _ = _run(ctl, 1, machine, 128, outlook=short)
+    assert ks == [0] * 128 and ctl.num_first_explorations_waited > 0
+    assert not ctl.ruled_out  # not ruled out: put off
+    ctl = _profiled(profile)
+    ks, _ = _run(ctl, 1, machine, 40, outlook=lambda: BatchOutlook(remaining_tokens=4000, context_tokens=500))
+    assert any(ks[:20]) and ctl.num_first_explorations_waited == 0
+    ctl = _profiled(profile)
+    ks, _ = _run(ctl, 1, machine, 1000, outlook=short)
+    first = next(i for i, k in enumerate(ks) if k)
+    # (k = 1's cost, or the model's k = 3 costed as the profile's largest, k = 2: 6.4 ms)
+    assert 0.57 / 1.1e-3 <= first <= 0.64 / 1.1e-3 + ctl.explore_every + 1
+    assert sum(1 for k in ks[first:] if k) > 300  # then it speculates
+    # Without the scheduler's outlook (or a profile) nothing waits, as before.
+    ctl = _profiled(profile)
+    assert any(_run(ctl, 1, machine, 40)[0][:20])

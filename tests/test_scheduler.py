@@ -348,7 +348,7 @@ def test_seeded_sampled_requests_take_the_controllers_k_like_everyone_else():
                               frozenset({EOS}), 1024))
         s.add_request(Request("greedy", list(range(20, 26)), SamplingParams(temperature=0, max_tokens=30),
                               frozenset({EOS}), 1024))
-        s.speculation.choose_k = lambda num_decoding, slo_state=None, greedy=False, chosen=chosen: chosen
+        s.speculation.choose_k = lambda num_decoding, slo_state=None, greedy=False, outlook=None, chosen=chosen: chosen
         out = s.schedule()
         assert {q.request_id: q.num_lookahead_tokens for q in out.scheduled} == {"seeded": chosen, "greedy": chosen}
 
@@ -363,7 +363,7 @@ def test_the_goodput_objective_sees_each_requests_decode_so_far_and_the_waiting_
     ctl = AdaptiveSpeculation(k_max=4, objective="goodput", slo=SloBounds(tpot_s=0.05, ttft_s=0.5))
     s = Scheduler(SchedulerConfig(2, 64, True), BlockPool(64, 4, False), ctl)
     seen = []
-    ctl.choose_k = lambda num_decoding, slo_state=None, greedy=False: seen.append(slo_state) or 0
+    ctl.choose_k = lambda num_decoding, slo_state=None, greedy=False, outlook=None: seen.append(slo_state) or 0
     s.add_request(req("a", 6, max_tokens=20))
     run_step(s)  # a's prompt and first token
     run_step(s)  # a: one token after the first
@@ -436,3 +436,28 @@ def test_a_request_alone_is_admitted_whatever_its_growth():
     s.add_request(req("a", 7, max_tokens=5))
     out, _ = run_step(s)
     assert [n.request_id for n in out.new_requests] == ["a"]
+
+
+def test_the_speculation_policy_sees_the_batchs_remaining_and_context_tokens():
+    """What the policy weighs a bucket's first exploration by: the most tokens a decoding
+    request may still generate (max_tokens, or the context limit if nearer) and the decoding
+    requests' context tokens; a request still in its prompt's chunks counts in neither."""
+    from tailserve.speculative.adaptive import AdaptiveSpeculation
+
+    seen = []
+
+    class Spy(AdaptiveSpeculation):
+        def choose_k(self, num_decoding, slo_state=None, greedy=False, outlook=None):
+            seen.append((num_decoding, outlook()))
+            return 0
+
+    s = Scheduler(SchedulerConfig(8, 12, True), BlockPool(64, 4, False), Spy(k_max=3))
+    s.add_request(req("a", 6, max_tokens=20))
+    s.add_request(req("b", 5, max_tokens=3))
+    s.add_request(req("c", 30, max_tokens=5))  # 12 tokens a step: its prompt takes chunks
+    out = s.schedule()
+    s.update(out, ModelRunnerOutput({"a": [50], "b": [51]}))
+    assert seen[-1][0] == 2 and seen[-1][1].remaining_tokens == 20 and seen[-1][1].context_tokens == 11
+    s.schedule()
+    # a: 7 tokens, 19 left; b: 6 tokens, 2 left; c still in its prompt
+    assert seen[-1][0] == 2 and seen[-1][1].remaining_tokens == 19 and seen[-1][1].context_tokens == 13

@@ -530,7 +530,8 @@ def test_the_goodput_objective_decodes_the_targets_tokens(llama_checkpoint):
 def test_adaptive_speculation_starts_with_a_profile_of_verification(llama_checkpoint, draft_checkpoint):
     """The worker profiles verification once for the adaptive controller: the target at
     batch sizes 1, 2, 4 (max_num_seqs 4) up to the largest k their rows allow, and the draft
-    model's round at each k > 0; drafts by lookup cost nothing; a fixed k takes no profile."""
+    model's round at each k > 0 and its catch-up over a context; drafts by lookup cost
+    nothing; a fixed k takes no profile."""
     path, _ = llama_checkpoint
     kw = dict(dtype="float32", kv_cache_memory_bytes=4 << 20, max_num_seqs=4)
     llm = LLM(str(path), speculative_model=str(draft_checkpoint), speculative_max_tokens=3, **kw)
@@ -544,10 +545,14 @@ def test_adaptive_speculation_starts_with_a_profile_of_verification(llama_checkp
                + profile.sampled_draft_s)
     draft = {(b, k): s for b, k, s in profile.draft_s}
     assert draft[(1, 3)] > draft[(1, 1)]  # a longer chain costs more
+    # The draft's catch-up over an unseen context, per token: a prefill, cheaper a token than
+    # a steady round's single-token forward.
+    assert 0 < profile.catch_up_s_per_token < draft[(1, 1)]
     # The profile wrote into blocks no request owns yet: output as without it.
     ref = LLM(str(path), **kw).generate(_prompts(), GREEDY)
     assert [o.token_ids for o in llm.generate(_prompts(), GREEDY)] == [o.token_ids for o in ref]
     ngram = LLM(str(path), speculative_method="ngram", speculative_max_tokens=3, **kw).engine.core.info.verify_costs
     assert all(s == 0.0 for *_, s in ngram.draft_s + ngram.sampled_draft_s)
+    assert ngram.catch_up_s_per_token == 0.0
     fixed = LLM(str(path), speculative_model=str(draft_checkpoint), num_speculative_tokens=2, **kw)
     assert fixed.engine.core.info.verify_costs is None

@@ -244,7 +244,19 @@ class ModelRunner:
             for (name, k), xs in times.items():
                 cols[name].append((b, k, statistics.median(xs)))
         return VerifyCostProfile(tuple(cols["greedy"]), tuple(cols["draft"]), tuple(cols["sampled"]),
-                                 tuple(cols["draft_sampled"]))
+                                 tuple(cols["draft_sampled"]), self._profile_catch_up(4 * context_tokens, repeats))
+
+    def _profile_catch_up(self, context_tokens: int, repeats: int) -> float:
+        """The proposer's catch-up over a request's unseen context, seconds per token: the
+        median of ``repeats`` timed catch-ups over ``context_tokens`` tokens (fewer where the
+        cache is smaller) after one untimed, in the first blocks, free at start-up."""
+        if self.proposer is None:
+            return 0.0
+        num_blocks = self.kv_caches[0].shape[1]
+        n = min(context_tokens, num_blocks * self.block_size)
+        table = list(range(-(-n // self.block_size)))
+        times = [self.proposer.catch_up_cost_s(table, n) for _ in range(repeats + 1)][1:]
+        return statistics.median(times) / n
 
     def _profile_step(self, tables: list[list[int]], context_tokens: int, k: int,
                       st_t: SamplingTensors) -> tuple[float, float, float]:

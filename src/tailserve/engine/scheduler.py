@@ -56,7 +56,7 @@ from tailserve.engine.scheduler_output import (
 )
 from tailserve.memory.block_pool import BlockPool
 from tailserve.memory.kv_figures import KVCacheFigures
-from tailserve.speculative.adaptive import AdaptiveSpeculation, SloState
+from tailserve.speculative.adaptive import AdaptiveSpeculation, BatchOutlook, SloState
 from tailserve.speculative.stats import SpecDecodeStats
 
 if TYPE_CHECKING:
@@ -369,15 +369,30 @@ class Scheduler:
         this to reserve the whole context up front."""
         return -(-num_tokens // self.block_size)
 
+    @staticmethod
+    def _outlook(out: SchedulerOutput, chosen: list[Request]) -> BatchOutlook:
+        """The step's sampling requests: the most tokens one may still generate, and their
+        context tokens (the speculation policy weighs a bucket's first exploration by them)."""
+        remaining, context = 0, 0
+        for s, req in zip(out.scheduled, chosen):
+            if s.sample:
+                remaining = max(remaining, min(req.params.max_tokens - req.num_output_tokens,
+                                               req.max_model_len - req.num_tokens))
+                context += req.num_tokens
+        return BatchOutlook(remaining, context)
+
     def _reserve_lookahead(self, out: SchedulerOutput, chosen: list[Request]) -> None:
         """Choose each sampling request's number of drafts to propose after this step and
         reserve their KV slots (the draft model writes K/V for them during the proposal)."""
         spec = self.speculation
         assert spec is not None
-        num_decoding = sum(1 for s in out.scheduled if s.sample)
+        num_decoding, greedy = 0, True
+        for s, req in zip(out.scheduled, chosen):
+            if s.sample:
+                num_decoding += 1
+                greedy = greedy and req.params.greedy
         slo_state = self._slo_state(out, chosen) if num_decoding and spec.objective == "goodput" else None
-        greedy = all(req.params.greedy for s, req in zip(out.scheduled, chosen) if s.sample)
-        k = spec.choose_k(num_decoding, slo_state, greedy) if num_decoding else 0
+        k = spec.choose_k(num_decoding, slo_state, greedy, lambda: self._outlook(out, chosen)) if num_decoding else 0
         if num_decoding:
             out.spec_round = spec.last_round
         if k <= 0:

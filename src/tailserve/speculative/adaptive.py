@@ -67,6 +67,7 @@ from __future__ import annotations
 import random
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tailserve.config import SloBounds
@@ -135,6 +136,34 @@ class VerifyCostProfile:
     # as greedy.
     sampled_target_s: tuple[tuple[int, int, float], ...] = ()
     sampled_draft_s: tuple[tuple[int, int, float], ...] = ()
+    # The proposer's catch-up over a request's context it has not seen, per token (a draft
+    # model's prefill of a prompt at batch 1; 0 for lookups): what a draft model pays the
+    # first time it runs beside a request, measured with the rest.
+    catch_up_s_per_token: float = 0.0
+
+    def step_extra_s(self, num_seqs: int, k: int, forward_s: float, greedy: bool = True) -> float | None:
+        """What a step with ``k`` drafts at ``num_seqs`` decoding requests adds to an off step,
+        by the profile (the wider forward and the round of drafts, no draft counted as
+        accepted), scaled as in ``ceiling``; a k past the profiled ones as the largest profiled
+        (a lower bound); None where ``num_seqs`` was not profiled."""
+        sampled = not greedy and self.sampled_target_s
+        target = {kk: s for b, kk, s in (self.sampled_target_s if sampled else self.target_s) if b == num_seqs}
+        if 0 not in target:
+            return None
+        k = max(kk for kk in target if kk <= k)
+        draft = {kk: s for b, kk, s in (self.sampled_draft_s if sampled else self.draft_s) if b == num_seqs}
+        return max(target[k] + draft.get(k, 0.0) - target[0], 0.0) * forward_s / target[0]
+
+    def first_exploration_s(self, num_seqs: int, k: int, forward_s: float, greedy: bool, steps: int,
+                            context_tokens: int) -> float | None:
+        """What a first exploration of ``k`` (``steps`` steps) costs beyond off, by the profile:
+        the steps' extra (``step_extra_s``, no draft counted as accepted) and the proposer's
+        catch-up over ``context_tokens`` it has never seen, scaled as in ``ceiling``."""
+        extra = self.step_extra_s(num_seqs, k, forward_s, greedy)
+        if extra is None:
+            return None
+        target0 = next(s for b, kk, s in self.target_s if b == num_seqs and kk == 0)
+        return steps * extra + self.catch_up_s_per_token * context_tokens * forward_s / target0
 
     def ceiling(self, num_seqs: int, off_step_s: float, forward_s: float, acceptance: float = 1.0,
                 greedy: bool = True, measured_on: tuple[int, float] | None = None) -> float | None:
@@ -171,6 +200,17 @@ class VerifyCostProfile:
                 on_s = base_s + (target[k] + draft.get(k, 0.0)) * scale
                 best = max(best, tokens * off_step_s / max(on_s, 1e-9))
         return best
+
+
+@dataclass(frozen=True)
+class BatchOutlook:
+    """What the scheduler knows of a step's decoding requests and no measurement can: the
+    most tokens any of them may still generate (by max_tokens and the context limit; a stop
+    may end it sooner) and their context tokens (what a draft model that has never run beside
+    them must catch up on)."""
+
+    remaining_tokens: int
+    context_tokens: int
 
 
 @dataclass
@@ -393,6 +433,16 @@ class AdaptiveSpeculation:
     ceiling_prior_rounds: float = 16.0
     ruled_out: dict[int, int] = field(default_factory=dict)  # bucket -> rounds verified at the verdict
     _rounds_verified: int = 0
+    # A bucket's first exploration with drafts costs more than any later one (the draft model
+    # catches up on every running request's whole context) and a cold run may end before it
+    # pays: a request of 128 tokens at batch 1 is ~0.15 s here, and its one exploration cost
+    # 5-11% of that (AVX2, built-in pair). So it waits until its cost, by the profile, fits
+    # ``explore_budget`` of the bucket's horizon: the longer of the time the bucket has run
+    # and the time its requests may still run (``BatchOutlook``). Buckets that have drafted:
+    _drafted: set = field(default_factory=set)
+    _bucket_s: dict = field(default_factory=dict)  # per bucket: seconds of steps reported there
+    num_first_explorations_waited: int = 0  # times a first exploration was put off (tests, docs)
+    _shapes: dict = field(default_factory=dict)  # (decoding requests, greedy) -> (k_cap, bucket)
 
     def __post_init__(self) -> None:
         n = self.k_max + 1
@@ -504,6 +554,7 @@ class AdaptiveSpeculation:
                 self._spec_run_start = self._steps
         self._reported_k = k
         bkt = self.bucket(num_decoding, greedy)
+        self._bucket_s[bkt] = self._bucket_s.get(bkt, 0.0) + seconds
         if bkt in self.ruled_out:
             return  # k = 0 for good here: nothing to compare
         adm = self._admissions.get(bkt)
@@ -577,9 +628,12 @@ class AdaptiveSpeculation:
             return self.k_max
         return max(0, min(self.k_max, self.max_rows // max(num_decoding, 1) - 1))
 
-    def choose_k(self, num_decoding: int, slo_state: SloState | None = None, greedy: bool = False) -> int:
+    def choose_k(self, num_decoding: int, slo_state: SloState | None = None, greedy: bool = False,
+                 outlook: Callable[[], BatchOutlook] | None = None) -> int:
         """k for the next round at ``num_decoding`` decoding requests, all greedy or not
-        (``slo_state``: what the goodput objective needs; ignored under throughput)."""
+        (``slo_state``: what the goodput objective needs; ignored under throughput;
+        ``outlook``: the batch's remaining and context tokens, called only when a bucket's
+        first exploration with drafts is weighed; None: it never waits)."""
         self._greedy = greedy
         if self.fixed_k is not None:
             self.last_k = self.fixed_k
@@ -587,10 +641,12 @@ class AdaptiveSpeculation:
         self._steps += 1
         if num_decoding <= 0:
             return 0
-        cap = self.k_cap(num_decoding)
+        shape = self._shapes.get((num_decoding, greedy))
+        if shape is None:  # k_max and max_rows are fixed: one look-up a step instead of two calls
+            shape = self._shapes[(num_decoding, greedy)] = (self.k_cap(num_decoding), self.bucket(num_decoding, greedy))
+        cap, bkt = shape
         if cap == 0:
             return self._set(0, num_decoding)  # no k fits the rows: nothing to explore either
-        bkt = self.bucket(num_decoding, greedy)
         if self._explore_left > 0:
             if bkt == self._explore_bucket:
                 self._explore_left -= 1
@@ -630,7 +686,7 @@ class AdaptiveSpeculation:
             self._decided[bkt] = 0
             return self._set(0, num_decoding)
         if not self.draft_cost.ready:
-            return self._explore(1, bkt, num_decoding)  # the draft's cost, at the cheapest k
+            return self._explore_drafts(1, bkt, num_decoding, outlook)  # the draft's cost, at the cheapest k
         self._since_explore[bkt] = since
         measured = self._measured_rates(num_decoding, cap)
         model_k, best_pos = self._model_choice(num_decoding, cap, measured)
@@ -646,7 +702,7 @@ class AdaptiveSpeculation:
             self._since_explore[bkt] = 0
             self._judge_bucket = bkt
             if self._decided.get(bkt, 0) == 0:
-                return self._explore(self._best_measured(measured)[0] or 1, bkt, num_decoding)
+                return self._explore_drafts(self._best_measured(measured)[0] or 1, bkt, num_decoding, outlook)
             turn = self._explore_turn
             self._explore_turn += 1
             cur = self._decided[bkt]
@@ -667,7 +723,7 @@ class AdaptiveSpeculation:
                 cand, on = model_k, None
             if on is None:
                 self._judge_bucket = bkt  # its verdict sets the bucket's backoff too
-                return self._explore(cand if cand else best_pos, bkt, num_decoding)
+                return self._explore_drafts(cand if cand else best_pos, bkt, num_decoding, outlook)
             if on >= off * (1.0 + margin):
                 if not was_on and self._stale_off(bkt, cand):
                     # Switching on needs off measured again after the candidate: windows taken
@@ -768,9 +824,45 @@ class AdaptiveSpeculation:
         on = self._with_admissions(self.rates[(bkt, k)].last_run_rate(self.expected_accepted(k)), bkt, k)
         return on >= self.rates[(bkt, 0)].last_run_rate() * (1.0 + margin)
 
+    def _explore_drafts(self, k: int, bkt: int, num_decoding: int,
+                        outlook: Callable[[], BatchOutlook] | None) -> int:
+        """Explore ``k`` > 0, unless it would be the bucket's first exploration with drafts and
+        its cost does not yet fit the budget (see ``_drafted``): then off, held until the next
+        exploration falls due, when it is weighed again."""
+        if bkt not in self._drafted and self._first_exploration_waits(bkt, num_decoding, k, outlook):
+            self.num_first_explorations_waited += 1
+            self._judge_bucket = None  # nothing explored: no verdict, no backoff
+            self._since_explore[bkt] = 0
+            self._decided[bkt] = 0
+            if self.objective == "throughput":
+                self._held[bkt] = [0, self.explore_every]
+            return self._set(0, num_decoding)
+        return self._explore(k, bkt, num_decoding)
+
+    def _first_exploration_waits(self, bkt: int, num_decoding: int, k: int,
+                                 outlook: Callable[[], BatchOutlook] | None) -> bool:
+        """Whether the bucket's first exploration of ``k`` costs more, by the start-up profile,
+        than ``explore_budget`` of its horizon (the longer of its seconds so far and its
+        requests' remaining tokens at off's measured step)."""
+        off = self.rates.get((bkt, 0))
+        if outlook is None or self.cost_profile is None or off is None or len(off.steps) < self.min_rate_steps:
+            return False
+        off_s = off.per_step()[1]
+        top = 1 << max(num_decoding - 1, 0).bit_length()  # the bucket's largest batch size
+        view = outlook()
+        cost_s = self.cost_profile.first_exploration_s(
+            top, k, min(self.target_cost.predict(num_decoding), off_s), self._greedy,
+            self.explore_len + self.spec_settle_steps, view.context_tokens)
+        if cost_s is None:
+            return False
+        horizon_s = max(view.remaining_tokens * off_s, self._bucket_s.get(bkt, 0.0))
+        return cost_s > self.explore_budget * horizon_s
+
     def _explore(self, k: int, bucket: int, num_decoding: int) -> int:
         """Run ``k`` for the next ``explore_len`` steps (this one included)."""
         self._held.pop(bucket, None)  # the choice after it is made afresh
+        if k > 0:
+            self._drafted.add(bucket)
         self._explore_k, self._explore_bucket = k, bucket
         if k == 0:
             settle = self.off_settle_steps if self._decided.get(bucket, 0) > 0 else 0

@@ -83,6 +83,12 @@ class Proposer(Protocol):
         round now (at start-up: it may write K/V into these blocks; the caller repeats it);
         where drafting has several sources, the least a round can cost (0 for lookups)."""
 
+    def catch_up_cost_s(self, block_ids: list[int], context_tokens: int) -> float:
+        """Seconds of one timed catch-up over ``context_tokens`` tokens the proposer has never
+        seen, for one request (a draft model's prefill of them and its first draft; at
+        start-up it writes K/V into these blocks); the least it can cost where drafting has
+        several sources (0 for lookups)."""
+
 
 class LookupProposer:
     """A proposer that looks drafts up in text (``propose_one(tokens, k)``): no model, one-hot
@@ -100,6 +106,9 @@ class LookupProposer:
     def round_cost_s(self, block_ids: list[list[int]], context_tokens: int, k: int,
                      params: SamplingParams | None = None) -> float:
         return 0.0  # a lookup per request: microseconds beside a forward
+
+    def catch_up_cost_s(self, block_ids: list[int], context_tokens: int) -> float:
+        return 0.0  # nothing to catch up on
 
     def propose(self, inputs: list[ProposalInput]) -> Proposal:
         drafts = {i.request_id: self.propose_input(i) for i in inputs}
@@ -237,6 +246,14 @@ class DraftModelProposer:
             return time.perf_counter() - t0
         finally:
             self.stop_margin = margin
+
+    @torch.inference_mode()
+    def catch_up_cost_s(self, block_ids: list[int], context_tokens: int) -> float:
+        inp = ProposalInput("profile-catch-up", [0] * context_tokens, 0, context_tokens, block_ids, 1,
+                            SamplingParams(temperature=0.0), None)
+        t0 = time.perf_counter()
+        self.propose([inp])
+        return time.perf_counter() - t0
 
     def propose(self, inputs: list[ProposalInput]) -> Proposal:
         seen = {i.request_id: i.num_seen for i in inputs}
@@ -495,6 +512,9 @@ class HybridProposer:
     def round_cost_s(self, block_ids: list[list[int]], context_tokens: int, k: int,
                      params: SamplingParams | None = None) -> float:
         return 0.0  # a lookup may supply every draft: the least a round costs
+
+    def catch_up_cost_s(self, block_ids: list[int], context_tokens: int) -> float:
+        return 0.0  # a lookup may supply every draft: the draft model then never catches up
 
     def cache_figures(self) -> SuffixCacheFigures | None:
         return next((f for f in (lk.cache_figures() for lk in self.lookups) if f is not None), None)
