@@ -32,8 +32,12 @@ and the same warm engines for the long one; the cell's figure is summed off time
 adaptive time over the pairs (the tok/s ratio of the whole interleaved run) with a 90%
 bootstrap interval over the pairs, and its verdict: "met" when the interval lies at or above
 0.98, "slower" when it lies below, "undecided" when it straddles 0.98 (more pairs narrow it).
+With ``--control`` a third engine with speculation off takes its turn in every pair (off,
+adaptive, control, then the reverse) and each cell also reports off / control with its
+interval: what two identical engines read in the same run.
 
-    python benchmarks/bench_speculative.py --matrix --pairs 12 [--run-kinds short,long] [--json out.json]
+    python benchmarks/bench_speculative.py --matrix --pairs 12 [--control] [--run-kinds short,long]
+        [--batch-sizes 1,4,16] [--json out.json]
 """
 
 from __future__ import annotations
@@ -219,25 +223,29 @@ def paired_matrix(args: argparse.Namespace) -> dict:
     kinds = [k for k in ("short", "long") if k in args.run_kinds.split(",")]
     if not kinds:
         raise SystemExit("--run-kinds: short, long or both")
-    warm = {(b, name): engine(b, name) for b in batches for name in ("off", "adaptive")} if "long" in kinds else {}
+    names = ("off", "adaptive", "control") if args.control else ("off", "adaptive")
+    if args.batch_sizes:
+        keep = {int(x) for x in args.batch_sizes.split(",")}
+        batches, cells = tuple(b for b in batches if b in keep), [c for c in cells if c[0] in keep]
+    warm = {(b, name): engine(b, name) for b in batches for name in names} if "long" in kinds else {}
     for llm in warm.values():
         llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     tokens = 128
     out = {"cpu": caps.cpu_capability, "dtype": args.dtype or "auto", "verification": args.verification,
-           "pairs": args.pairs, "cells": []}
+           "pairs": args.pairs, "control": args.control, "cells": []}
     print(f"{'batch':>5} {'temp':>5} {'seed':>5} {'run':>6} | adaptive/off [90% interval] verdict | "
-          "off tok/s | drafts a token", flush=True)
+          "off tok/s | drafts a token" + (" | off/control [90%]" if args.control else ""), flush=True)
     for b, t, seeded in cells:
         row = {"batch": b, "temperature": t, "seeded": seeded}
         for run in kinds:
-            secs: dict[str, list[float]] = {"off": [], "adaptive": []}
+            secs: dict[str, list[float]] = {name: [] for name in names}
             drafted = produced = 0
             for i in range(args.pairs):
-                # A different batch of prompts (and seeds) per pair, the same for both engines.
+                # A different batch of prompts (and seeds) per pair, the same for every engine.
                 chunk = [prompts[(i * b + j) % len(prompts)] for j in range(b)]
                 params = [SamplingParams(temperature=t, max_tokens=tokens, ignore_eos=True,
                                          seed=1000 + i * b + j if seeded else None) for j in range(b)]
-                for name in (("off", "adaptive") if i % 2 == 0 else ("adaptive", "off")):
+                for name in (names if i % 2 == 0 else names[::-1]):
                     llm = warm[(b, name)] if run == "long" else engine(b, name)
                     before = llm.stats()["speculative"]["num_draft_tokens"]
                     t0 = time.perf_counter()
@@ -252,12 +260,22 @@ def paired_matrix(args: argparse.Namespace) -> dict:
             off_tps = b * tokens * len(secs["off"]) / sum(secs["off"])
             row[run] = {"ratio": point, "interval": [lo, hi], "verdict": verdict(lo, hi), "off_tok_s": off_tps,
                         "drafts_per_token": drafted / produced, "off_s": secs["off"], "adaptive_s": secs["adaptive"]}
+            control = ""
+            if args.control:
+                c_point, c_lo, c_hi = bootstrap_ratio(secs["off"], secs["control"])
+                row[run].update(control_ratio=c_point, control_interval=[c_lo, c_hi], control_s=secs["control"])
+                control = f" | {c_point:.3f}x [{c_lo:.3f}, {c_hi:.3f}]"
             print(f"{b:>5} {t:>5} {'yes' if seeded else 'no':>5} {run:>6} | {point:.3f}x [{lo:.3f}, {hi:.3f}] "
-                  f"{verdict(lo, hi):<9} | {off_tps:7.0f} | {drafted / produced:.2f}", flush=True)
+                  f"{verdict(lo, hi):<9} | {off_tps:7.0f} | {drafted / produced:.2f}{control}", flush=True)
         out["cells"].append(row)
     verdicts = [row[run]["verdict"] for row in out["cells"] for run in kinds]
     out["summary"] = {v: verdicts.count(v) for v in ("met", "undecided", "slower")}
     print(f"cells x runs: {out['summary']} (goal: adaptive >= 0.98x off; {caps.cpu_capability})")
+    if args.control:
+        spread = [row[run]["control_ratio"] for row in out["cells"] for run in kinds]
+        out["control_range"] = [min(spread), max(spread)]
+        print(f"off / control (two engines with speculation off): {min(spread):.3f}-{max(spread):.3f}x over the "
+              "cells: what this run cannot tell from 1.0")
     return out
 
 
@@ -271,6 +289,7 @@ def main() -> None:
                     help="--matrix: finely paired runs per cell instead of rounds (see the docstring)")
     ap.add_argument("--run-kinds", default="short,long",
                     help="--matrix --pairs: which runs to measure, short (cold) and/or long (warm)")
+    ap.add_argument("--batch-sizes", default=None, help="--matrix --pairs: only these batch sizes (e.g. 1,4)")
     ap.add_argument("--runs", type=int, default=None, help="rounds (default 2; 3 with --matrix)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=256)
