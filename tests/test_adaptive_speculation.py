@@ -629,6 +629,10 @@ def test_a_buckets_first_exploration_with_drafts_waits_until_the_run_can_pay_for
     # (k = 1's cost, or the model's k = 3 costed as the profile's largest, k = 2: 6.4 ms)
     assert 0.57 / 1.1e-3 <= first <= 0.64 / 1.1e-3 + ctl.explore_every + 1
     assert sum(1 for k in ks[first:] if k) > 300  # then it speculates
-    # Without the scheduler's outlook (or a profile) nothing waits, as before.
+    # Without the scheduler's outlook (or a profile) nothing waits, as before; nor where the
+    # proposer has nothing to catch up on (a lookup: its first exploration costs no more than
+    # its later ones).
     ctl = _profiled(profile)
     assert any(_run(ctl, 1, machine, 40)[0][:20])
+    ctl = _profiled(replace(profile, catch_up_s_per_token=0.0))
+    assert any(_run(ctl, 1, machine, 40, outlook=short)[0][:20]) and ctl.num_first_explorations_waited == 0

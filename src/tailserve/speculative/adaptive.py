@@ -436,9 +436,10 @@ class AdaptiveSpeculation:
     # A bucket's first exploration with drafts costs more than any later one (the draft model
     # catches up on every running request's whole context) and a cold run may end before it
     # pays: a request of 128 tokens at batch 1 is ~0.15 s here, and its one exploration cost
-    # 5-11% of that (AVX2, built-in pair). So it waits until its cost, by the profile, fits
-    # ``explore_budget`` of the bucket's horizon: the longer of the time the bucket has run
-    # and the time its requests may still run (``BatchOutlook``). Buckets that have drafted:
+    # 5-11% of that (AVX2, built-in pair). So where the proposer catches up, it waits until its
+    # cost, by the profile, fits ``explore_budget`` of the bucket's horizon: the longer of the
+    # time the bucket has run and the time its requests may still run (``BatchOutlook``).
+    # Buckets that have drafted:
     _drafted: set = field(default_factory=set)
     _bucket_s: dict = field(default_factory=dict)  # per bucket: seconds of steps reported there
     num_first_explorations_waited: int = 0  # times a first exploration was put off (tests, docs)
@@ -843,9 +844,13 @@ class AdaptiveSpeculation:
                                  outlook: Callable[[], BatchOutlook] | None) -> bool:
         """Whether the bucket's first exploration of ``k`` costs more, by the start-up profile,
         than ``explore_budget`` of its horizon (the longer of its seconds so far and its
-        requests' remaining tokens at off's measured step)."""
+        requests' remaining tokens at off's measured step). Only where the proposer catches up
+        (a draft model): a lookup's first exploration costs no more than its later ones, and
+        put off it cost suffix decoding most of its gain on the demo's repeated requests (1.54x
+        -> 1.07x, 0.88 -> 0.33 drafts a token, AVX2)."""
         off = self.rates.get((bkt, 0))
-        if outlook is None or self.cost_profile is None or off is None or len(off.steps) < self.min_rate_steps:
+        if outlook is None or self.cost_profile is None or self.cost_profile.catch_up_s_per_token <= 0 \
+                or off is None or len(off.steps) < self.min_rate_steps:
             return False
         off_s = off.per_step()[1]
         top = 1 << max(num_decoding - 1, 0).bit_length()  # the bucket's largest batch size
