@@ -444,6 +444,7 @@ class AdaptiveSpeculation:
     _bucket_s: dict = field(default_factory=dict)  # per bucket: seconds of steps reported there
     num_first_explorations_waited: int = 0  # times a first exploration was put off (tests, docs)
     _shapes: dict = field(default_factory=dict)  # (decoding requests, greedy) -> (k_cap, bucket)
+    _first_wait_until: dict = field(default_factory=dict)  # per bucket: the step its first exploration is weighed again
 
     def __post_init__(self) -> None:
         n = self.k_max + 1
@@ -554,6 +555,9 @@ class AdaptiveSpeculation:
             if self._reported_k == 0:
                 self._spec_run_start = self._steps
         self._reported_k = k
+        shape = self._shapes.get((num_decoding, greedy))
+        if shape is not None and shape[0] == 0:
+            return  # no k fits these rows (k_cap 0): nothing measured here is ever compared
         bkt = self.bucket(num_decoding, greedy)
         self._bucket_s[bkt] = self._bucket_s.get(bkt, 0.0) + seconds
         if bkt in self.ruled_out:
@@ -830,14 +834,18 @@ class AdaptiveSpeculation:
         """Explore ``k`` > 0, unless it would be the bucket's first exploration with drafts and
         its cost does not yet fit the budget (see ``_drafted``): then off, held until the next
         exploration falls due, when it is weighed again."""
-        if bkt not in self._drafted and self._first_exploration_waits(bkt, num_decoding, k, outlook):
-            self.num_first_explorations_waited += 1
-            self._judge_bucket = None  # nothing explored: no verdict, no backoff
-            self._since_explore[bkt] = 0
-            self._decided[bkt] = 0
-            if self.objective == "throughput":
-                self._held[bkt] = [0, self.explore_every]
-            return self._set(0, num_decoding)
+        if bkt not in self._drafted:
+            if self._steps < self._first_wait_until.get(bkt, 0):
+                return self._set(0, num_decoding)  # put off lately: not weighed again each step
+            if self._first_exploration_waits(bkt, num_decoding, k, outlook):
+                self.num_first_explorations_waited += 1
+                self._judge_bucket = None  # nothing explored: no verdict, no backoff
+                self._since_explore[bkt] = 0
+                self._decided[bkt] = 0
+                self._first_wait_until[bkt] = self._steps + self.explore_every
+                if self.objective == "throughput":
+                    self._held[bkt] = [0, self.explore_every]
+                return self._set(0, num_decoding)
         return self._explore(k, bkt, num_decoding)
 
     def _first_exploration_waits(self, bkt: int, num_decoding: int, k: int,
