@@ -54,7 +54,9 @@ off every other time, since an off probe costs little exactly where speculation'
 thin. While off they probe the best measured k (k = 1 where none is), the one the next
 decision weighs against off. Each exploration's cost (its seconds beyond what the k in use
 would have taken for its tokens) sets the least number of steps before the bucket's next, so
-that explorations cost at most ``explore_budget`` of its time; while they keep confirming
+that explorations cost at most ``explore_budget`` of its time (a bucket's first with a draft
+model, not measured yet, is costed from the start-up profile and waits until it fits that
+budget of the bucket's horizon: see ``_drafted``); while they keep confirming
 speculation off in a bucket, they also come half as often each time (down to 1 in
 ``max_backoff`` x explore_every steps).
 Measured on the built-in pair (docs/benchmarks.md): without the measured check, batch 16
