@@ -148,12 +148,11 @@ class VerifyCostProfile:
         by the profile (the wider forward and the round of drafts, no draft counted as
         accepted), scaled as in ``ceiling``; a k past the profiled ones as the largest profiled
         (a lower bound); None where ``num_seqs`` was not profiled."""
-        sampled = not greedy and self.sampled_target_s
-        target = {kk: s for b, kk, s in (self.sampled_target_s if sampled else self.target_s) if b == num_seqs}
-        if 0 not in target:
+        costs = self._costs(num_seqs, greedy)
+        if costs is None:
             return None
+        target, draft = costs
         k = max(kk for kk in target if kk <= k)
-        draft = {kk: s for b, kk, s in (self.sampled_draft_s if sampled else self.draft_s) if b == num_seqs}
         return max(target[k] + draft.get(k, 0.0) - target[0], 0.0) * forward_s / target[0]
 
     def first_exploration_s(self, num_seqs: int, k: int, forward_s: float, greedy: bool, steps: int,
@@ -161,11 +160,20 @@ class VerifyCostProfile:
         """What a first exploration of ``k`` (``steps`` steps) costs beyond off, by the profile:
         the steps' extra (``step_extra_s``, no draft counted as accepted) and the proposer's
         catch-up over ``context_tokens`` it has never seen, scaled as in ``ceiling``."""
+        costs = self._costs(num_seqs, greedy)
         extra = self.step_extra_s(num_seqs, k, forward_s, greedy)
-        if extra is None:
+        if costs is None or extra is None:
             return None
-        target0 = next(s for b, kk, s in self.target_s if b == num_seqs and kk == 0)
-        return steps * extra + self.catch_up_s_per_token * context_tokens * forward_s / target0
+        return steps * extra + self.catch_up_s_per_token * context_tokens * forward_s / costs[0][0]
+
+    def _costs(self, num_seqs: int, greedy: bool) -> tuple[dict[int, float], dict[int, float]] | None:
+        """(k -> target seconds, k -> draft seconds) at ``num_seqs``, for a greedy or a sampled
+        batch (sampled: as greedy where not profiled apart); None where not profiled."""
+        sampled = not greedy and self.sampled_target_s
+        target = {k: s for b, k, s in (self.sampled_target_s if sampled else self.target_s) if b == num_seqs}
+        if 0 not in target:
+            return None
+        return target, {k: s for b, k, s in (self.sampled_draft_s if sampled else self.draft_s) if b == num_seqs}
 
     def ceiling(self, num_seqs: int, off_step_s: float, forward_s: float, acceptance: float = 1.0,
                 greedy: bool = True, measured_on: tuple[int, float] | None = None) -> float | None:
@@ -184,11 +192,10 @@ class VerifyCostProfile:
         put it at ~1.1 (its bookkeeping, a second token's output processing, the target's
         weights evicted by the draft's forward: its 2-row forward ran 670 us in the engine,
         515 alone). None where ``num_seqs`` was not profiled."""
-        sampled = not greedy and self.sampled_target_s
-        target = {k: s for b, k, s in (self.sampled_target_s if sampled else self.target_s) if b == num_seqs}
-        if 0 not in target:
+        costs = self._costs(num_seqs, greedy)
+        if costs is None:
             return None
-        draft = {k: s for b, k, s in (self.sampled_draft_s if sampled else self.draft_s) if b == num_seqs}
+        target, draft = costs
         scale = forward_s / target[0]
         base_s = off_step_s - forward_s  # the step besides its profiled part
         if measured_on is not None and measured_on[0] in target:
@@ -443,7 +450,7 @@ class AdaptiveSpeculation:
     # time the bucket has run and the time its requests may still run (``BatchOutlook``).
     # Buckets that have drafted:
     _drafted: set = field(default_factory=set)
-    _bucket_s: dict = field(default_factory=dict)  # per bucket: seconds of steps reported there
+    _bucket_s: dict = field(default_factory=dict)  # per bucket: seconds of steps reported there before it drafted
     num_first_explorations_waited: int = 0  # times a first exploration was put off (tests, docs)
     _shapes: dict = field(default_factory=dict)  # (decoding requests, greedy) -> (k_cap, bucket)
     _first_wait_until: dict = field(default_factory=dict)  # per bucket: the step its first exploration is weighed again
@@ -561,7 +568,8 @@ class AdaptiveSpeculation:
         if shape is not None and shape[0] == 0:
             return  # no k fits these rows (k_cap 0): nothing measured here is ever compared
         bkt = self.bucket(num_decoding, greedy)
-        self._bucket_s[bkt] = self._bucket_s.get(bkt, 0.0) + seconds
+        if bkt not in self._drafted:  # read only to weigh the bucket's first exploration
+            self._bucket_s[bkt] = self._bucket_s.get(bkt, 0.0) + seconds
         if bkt in self.ruled_out:
             return  # k = 0 for good here: nothing to compare
         adm = self._admissions.get(bkt)
@@ -856,8 +864,8 @@ class AdaptiveSpeculation:
         than ``explore_budget`` of its horizon (the longer of its seconds so far and its
         requests' remaining tokens at off's measured step). Only where the proposer catches up
         (a draft model): a lookup's first exploration costs no more than its later ones, and
-        put off it cost suffix decoding most of its gain on the demo's repeated requests (1.54x
-        -> 1.07x, 0.88 -> 0.33 drafts a token, AVX2)."""
+        put off it cost suffix decoding most of its gain on the demo's repeated requests (1.07x
+        at 0.33 drafts a token, against 1.25-1.37x at 0.80-0.82 exempt, the same hour, AVX2)."""
         off = self.rates.get((bkt, 0))
         if outlook is None or self.cost_profile is None or self.cost_profile.catch_up_s_per_token <= 0 \
                 or off is None or len(off.steps) < self.min_rate_steps:
