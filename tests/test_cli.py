@@ -122,12 +122,13 @@ def test_a_bad_slo_is_one_line_error(capsys):
     assert "slo: expected KEY<=MS" in _one_line_error(p)
 
 
-def test_the_long_prefill_limit_is_left_to_the_plan_only_when_serving():
+@pytest.mark.parametrize("name", ["max_long_partial_prefills", "max_num_partial_prefills"])
+def test_the_prefill_limits_are_left_to_the_plan_only_when_serving(name):
     from tailserve.cli import _engine_kwargs, build_parser
 
     parser = build_parser()
     serve, gen = parser.parse_args(["serve"]), parser.parse_args(["generate", "x"])
-    assert _engine_kwargs(serve, serving=True)["max_long_partial_prefills"] is None  # the plan: 1 on the CPU
-    assert _engine_kwargs(gen)["max_long_partial_prefills"] == 0  # offline: every prompt of a batch at once
-    told = parser.parse_args(["serve", "--max-long-partial-prefills", "0"])
-    assert _engine_kwargs(told, serving=True)["max_long_partial_prefills"] == 0
+    assert _engine_kwargs(serve, serving=True)[name] is None  # the plan: 1 on the CPU
+    assert _engine_kwargs(gen)[name] == 0  # offline: every prompt of a batch at once
+    told = parser.parse_args(["serve", "--" + name.replace("_", "-"), "0"])
+    assert _engine_kwargs(told, serving=True)[name] == 0

@@ -109,3 +109,58 @@ def test_shutdown_ends_the_inline_loop(llama_checkpoint):
         await asyncio.wait_for(task, 2)
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("handler_turns", [0, 3])
+def test_a_request_that_comes_in_during_a_step_joins_the_next_one(llama_checkpoint, handler_turns):
+    """Bytes read after a step create the handler's task; the loop runs that handler (and, while
+    it is inside ``admitting()``, waits for its submit, e.g. a body read over several turns)
+    before the next step, so the request is never a step late."""
+    from tailserve.engine.async_engine import AsyncEngine
+
+    llm = LLM(str(llama_checkpoint[0]), dtype="float32", kv_cache_memory_bytes=KV)
+    ae = AsyncEngine(llm.engine, start_thread=False)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    steps: list[set[str]] = []  # the request ids each step scheduled
+    sched = llm.engine.core.scheduler
+    orig_schedule = sched.schedule
+
+    def schedule(now_ns=None):
+        out = orig_schedule(now_ns)
+        steps.append({s.request_id for s in out.scheduled})
+        return out
+
+    sched.schedule = schedule
+    came_in: list[int] = []
+
+    async def handler():
+        with ae.admitting():
+            for _ in range(handler_turns):  # e.g. the rest of a body, read in later turns
+                await asyncio.sleep(0)
+            stream = ae.submit(llm.engine.prepare_request([5, 6, 7], params), "late", time.perf_counter_ns())
+        async for _ in ae.outputs("late", stream):
+            pass
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(ae.run_in_loop())
+        first = ae.submit(llm.engine.prepare_request([9, 10, 11], params), "busy", time.perf_counter_ns())
+        orig_step = llm.engine.step
+        done: list[asyncio.Future] = []
+
+        def step():
+            if len(steps) == 3 and not came_in:  # the request "comes in" during the third step
+                came_in.append(len(steps))
+                loop.call_soon(lambda: done.append(asyncio.ensure_future(handler())))  # as an I/O callback does
+            return orig_step()
+
+        llm.engine.step = step
+        async for _ in ae.outputs("busy", first):
+            pass
+        await asyncio.wait_for(done[0], 30)
+        ae.shutdown()
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(run())
+    joined = next(i for i, ids in enumerate(steps) if "late" in ids)
+    assert came_in == [3] and joined == 4  # it came in during step 3 and joins step 4

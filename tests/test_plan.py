@@ -250,15 +250,18 @@ def test_an_unknown_engine_loop_is_a_config_error():
         config(engine_loop="process")
 
 
-@pytest.mark.parametrize("device,caps,flag,want", [
-    (CPU, AVX2_KERNELS, None, 1), (CUDA, H200, None, 0), (CPU, AVX2_KERNELS, 0, 0), (CUDA, H200, 2, 2),
+@pytest.mark.parametrize("device,caps,flags,want", [
+    (CPU, AVX2_KERNELS, (None, None), (1, 1)), (CUDA, H200, (None, None), (0, 0)),
+    (CPU, AVX2_KERNELS, (0, 0), (0, 0)), (CPU, AVX2_KERNELS, (None, 0), (1, 0)), (CUDA, H200, (4, 2), (4, 2)),
 ])
-def test_one_long_prefill_per_step_on_a_cpu_server_unless_told(device, caps, flag, want):
-    plan = plan_target(config(device=device.type, max_long_partial_prefills=flag), arch(), device, caps)
-    assert plan.max_long_partial_prefills == want
-    assert plan.describe()["long_prefills_per_step"].startswith(f"{want or 'any'} (")
+def test_one_prefill_per_step_on_a_cpu_server_unless_told(device, caps, flags, want):
+    plan = plan_target(config(device=device.type, max_num_partial_prefills=flags[0],
+                              max_long_partial_prefills=flags[1]), arch(), device, caps)
+    assert (plan.max_num_partial_prefills, plan.max_long_partial_prefills) == want
+    assert plan.describe()["prefills_per_step"].startswith(f"{want[0] or 'any'}, long ones {want[1] or 'any'} (")
 
 
-def test_a_negative_long_prefill_limit_is_a_config_error():
-    with pytest.raises(ConfigError, match="max_long_partial_prefills must be an integer >= 0"):
-        config(max_long_partial_prefills=-1)
+@pytest.mark.parametrize("name", ["max_long_partial_prefills", "max_num_partial_prefills"])
+def test_a_negative_prefill_limit_is_a_config_error(name):
+    with pytest.raises(ConfigError, match=f"{name} must be an integer >= 0"):
+        config(**{name: -1})

@@ -89,6 +89,30 @@ def test_short_prompts_are_not_held_behind_the_long_prefill_limit():
     assert [(q.request_id, q.num_tokens) for q in out.scheduled] == [("long", 8), ("x", 5), ("y", 5), ("z", 5)]
 
 
+def test_one_prefill_per_step_whatever_its_length():
+    # A burst of short prompts (cache hits leave each a few tokens to compute) is spread one
+    # prompt a step, so it does not stay one wave.
+    pool = BlockPool(64, 4, True)
+    s = Scheduler(SchedulerConfig(16, 64, True, 0, max_num_partial_prefills=1), pool)
+    for i, r in enumerate("abc"):
+        s.add_request(req(r, 2, max_tokens=4, start=10 + 20 * i))
+    steps = [[(q.request_id, q.num_tokens) for q in run_step(s)[0].scheduled] for _ in range(3)]
+    assert steps == [[("a", 2)], [("a", 1), ("b", 2)], [("a", 1), ("b", 1), ("c", 2)]]
+    s = Scheduler(SchedulerConfig(16, 64, True, 0, max_num_partial_prefills=2), BlockPool(64, 4, True))
+    for i, r in enumerate("abc"):
+        s.add_request(req(r, 2, max_tokens=4, start=10 + 20 * i))
+    assert [q.request_id for q in run_step(s)[0].scheduled] == ["a", "b"]
+
+
+def test_a_running_chunked_prefill_counts_against_the_step():
+    pool = BlockPool(64, 4, True)
+    s = Scheduler(SchedulerConfig(8, 3, True, 0, max_num_partial_prefills=1), pool)
+    s.add_request(req("a", 5))  # chunked 3 + 2 by the step budget of 3 tokens
+    s.add_request(req("b", 4, start=100))
+    steps = [[(q.request_id, q.num_tokens) for q in run_step(s)[0].scheduled] for _ in range(3)]
+    assert steps == [[("a", 3)], [("a", 2)], [("a", 1), ("b", 2)]]  # b waits beside a's rest (budget left: 1)
+
+
 def test_a_chunked_long_prefill_counts_until_its_rest_is_short():
     # The running chunk holds the one long slot; once what is left of it is under the
     # threshold, the next long prompt starts beside it.

@@ -45,9 +45,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="admit a request only while the KV blocks the running requests need for their next N tokens "
                         "(each at most its max_tokens) stay free; 0: admit while any block is free and preempt when "
                         "blocks run out (vLLM V1's rule)")
+    g.add_argument("--max-num-partial-prefills", type=int, default=None,
+                   help="at most N requests are prefilled per step (a prompt with more than one token to compute), "
+                        "so prompts that arrive together start decoding one after another; 0: no limit. "
+                        "Default: 1 for tailserve serve on the CPU, else no limit")
     g.add_argument("--max-long-partial-prefills", type=int, default=None,
-                   help="at most N requests with long prompts (over 4%% of --max-model-len tokens still to compute) "
-                        "are prefilled per step, so prompts that arrive together start decoding one after another; "
+                   help="at most N of them with long prompts (over 4%% of --max-model-len tokens still to compute); "
                         "0: no limit. Default: 1 for tailserve serve on the CPU, else no limit")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
@@ -128,9 +131,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def _engine_kwargs(args: argparse.Namespace, serving: bool = False) -> dict[str, object]:
     """EngineConfig's fields from the shared engine flags. ``serving``: settings left to the
-    plan for a server keep None (``--max-long-partial-prefills``); offline they default to 0."""
-    long_prefills = args.max_long_partial_prefills
+    plan for a server keep None (``--max-num-partial-prefills``, ``--max-long-partial-prefills``);
+    offline they default to 0."""
+    prefills, long_prefills = args.max_num_partial_prefills, args.max_long_partial_prefills
     return dict(
+        max_num_partial_prefills=prefills if prefills is not None or serving else 0,
         max_long_partial_prefills=long_prefills if long_prefills is not None or serving else 0,
         dtype=args.dtype, device=args.device, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_memory_bytes=None if args.kv_cache_memory is None else parse_bytes(args.kv_cache_memory),

@@ -98,13 +98,17 @@ class SchedulerConfig:
     # step (0: no limit). Shorter prompts are not limited.
     max_long_partial_prefills: int = 0
     long_prefill_token_threshold: int = 81  # 4% of 2,048; EngineCore sets it from max_model_len
+    # vLLM V0's --max-num-partial-prefills: at most this many requests with more than one
+    # token still to compute get prompt tokens in one step, whatever their length (0: no
+    # limit); max_long_partial_prefills limits the long ones among them further.
+    max_num_partial_prefills: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
-        for name in ("admission_reserve_tokens", "max_long_partial_prefills"):
+        for name in ("admission_reserve_tokens", "max_long_partial_prefills", "max_num_partial_prefills"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ConfigError(f"{name} must be an integer >= 0, got {v!r}")
@@ -251,8 +255,11 @@ class EngineConfig:
     admission_reserve_tokens: int = DEFAULT_ADMISSION_RESERVE_TOKENS  # (see SchedulerConfig)
     # Long prompts prefilled per step (see SchedulerConfig; long: more than 4% of
     # max_model_len). 0: no limit (vLLM V1's behaviour, and the offline default here);
-    # None: the plan decides (plan_long_prefills: 1 on the CPU; tailserve serve's default).
+    # None: the plan decides (plan_partial_prefills: 1 on the CPU; tailserve serve's default).
     max_long_partial_prefills: int | None = 0
+    # Prompts of any length prefilled per step (see SchedulerConfig): 0, no limit; None, the
+    # plan decides (plan_partial_prefills: 1 on the CPU; tailserve serve's default).
+    max_num_partial_prefills: int | None = 0
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
     seed: int = 0
@@ -506,4 +513,5 @@ class EngineConfig:
     @property
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.enable_chunked_prefill,
-                               self.admission_reserve_tokens, self.max_long_partial_prefills or 0)
+                               self.admission_reserve_tokens, self.max_long_partial_prefills or 0,
+                               max_num_partial_prefills=self.max_num_partial_prefills or 0)

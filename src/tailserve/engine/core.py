@@ -94,6 +94,7 @@ class EngineCore:
                                               objective=config.speculative_objective,
                                               slo=parse_slo(config.slo) if config.slo is not None else None)
         sched_config = replace(config.scheduler_config,
+                               max_num_partial_prefills=info.plan.max_num_partial_prefills,
                                max_long_partial_prefills=info.plan.max_long_partial_prefills,
                                long_prefill_token_threshold=long_prefill_threshold(info.max_model_len))
         self.scheduler = Scheduler(sched_config, self.block_pool, speculation)

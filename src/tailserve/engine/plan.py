@@ -198,9 +198,10 @@ class TargetPlan:
     # "thread" (its own thread); server/run.py, engine/async_engine.py.
     engine_loop: str = "thread"
     engine_loop_reason: str = ""
-    # Long prompts prefilled per step (0: no limit); plan_long_prefills.
+    # Prompts prefilled per step, all and long ones (0: no limit); plan_partial_prefills.
+    max_num_partial_prefills: int = 0
     max_long_partial_prefills: int = 0
-    max_long_partial_prefills_reason: str = ""
+    partial_prefills_reason: str = ""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -227,8 +228,8 @@ class TargetPlan:
             "cpu_threads": f"{'adaptive' if self.adapt_threads else 'fixed'} ({self.adapt_threads_reason})",
             "kv_cache_dtype": f"{_name(self.kv_dtype)} ({self.kv_cache_dtype_reason})",
             "engine_loop": f"{self.engine_loop} ({self.engine_loop_reason})",
-            "long_prefills_per_step": f"{self.max_long_partial_prefills or 'any'} "
-                                      f"({self.max_long_partial_prefills_reason})",
+            "prefills_per_step": f"{self.max_num_partial_prefills or 'any'}, long ones "
+                                 f"{self.max_long_partial_prefills or 'any'} ({self.partial_prefills_reason})",
         }
         if self.draft is not None:
             out["draft"] = self.draft.describe()
@@ -374,33 +375,39 @@ def plan_target(config: EngineConfig, arch: ModelArchConfig, device: torch.devic
                  else "cpu_threads_adapt off")
     kv_dtype, kv_why = plan_kv_cache_dtype(config, model, arch.dtype)
     loop, loop_why = plan_engine_loop(config, device)
-    long_prefills, long_why = plan_long_prefills(config, device)
+    prefills, long_prefills, prefills_why = plan_partial_prefills(config, device)
     return TargetPlan(device, model, sizes, why, kernels, sampler_why, caps.cpu_capability,
                       grammar_overlap_min_rows=min_rows, grammar_masks_parallel=gpu,
                       grammar_masks_reason=masks_why, max_verify_rows=rows, max_verify_rows_reason=rows_why,
                       adapt_threads=adapt, adapt_threads_reason=adapt_why, kv_cache_dtype=kv_dtype,
                       kv_cache_dtype_reason=kv_why, engine_loop=loop, engine_loop_reason=loop_why,
-                      max_long_partial_prefills=long_prefills, max_long_partial_prefills_reason=long_why)
+                      max_num_partial_prefills=prefills, max_long_partial_prefills=long_prefills,
+                      partial_prefills_reason=prefills_why)
 
 
-def plan_long_prefills(config: EngineConfig, device: torch.device) -> tuple[int, str]:
-    """How many long prompts (over 4% of max_model_len) one step may prefill; 0: no limit.
+def plan_partial_prefills(config: EngineConfig, device: torch.device) -> tuple[int, int, str]:
+    """How many prompts, and how many long ones (over 4% of max_model_len), one step may
+    prefill; 0: no limit.
 
-    ``tailserve serve`` leaves it to the plan (``max_long_partial_prefills=None``); the
-    offline API and an explicit ``--max-long-partial-prefills`` fix it. On the CPU a step that
-    prefills many prompts at once runs for hundreds of milliseconds, every request in it
-    waits for the whole step, and
-    requests that start together with equal lengths finish together: a burst stays a burst,
-    wave after wave. One long prefill per step beside the decodes staggers them (measured on
-    2 AVX2 cores, 64 x 128/128 at 16 concurrent, ``vllm bench serve``: TTFT P50 174-200 ms in
-    every load, against 172-770 ms swinging between loads, at the same throughput). On a GPU a
-    step of many prompts is short; vLLM V1's rule (no limit) holds."""
-    if config.max_long_partial_prefills is not None:
-        return config.max_long_partial_prefills, (
-            "--max-long-partial-prefills" if config.max_long_partial_prefills else "no limit (the offline default)")
+    ``tailserve serve`` leaves them to the plan (None); the offline API and an explicit
+    ``--max-num-partial-prefills`` / ``--max-long-partial-prefills`` fix them. On the CPU a
+    step's time grows with its prompt tokens: a step that prefills many prompts at once makes
+    every request in it wait for all of them, and requests that start together with equal
+    lengths finish together, so a burst stays a burst, wave after wave. One prefill per step
+    beside the decodes spreads them. Measured on 2 AVX2 cores, 64 x 128/128 at 16 concurrent:
+    one long prefill per step took ``vllm bench serve``'s TTFT P50 to 174-200 ms in every load
+    (55M Llama), against 172-770 ms swinging between loads; one prefill of any length per step
+    took repeated prompts (16 tokens each left to compute after the prefix cache) from ~45 ms
+    (five a step) or ~60 ms (sixteen) to ~25 ms (the built-in target), at the same throughput.
+    On a GPU a step of many prompts is short; vLLM V1's rule (no limit) holds."""
+    num, long = config.max_num_partial_prefills, config.max_long_partial_prefills
+    if num is not None and long is not None:
+        return num, long, "--max-num-partial-prefills, --max-long-partial-prefills" if num or long \
+            else "no limit (the offline default)"
     if device.type == "cpu":
-        return 1, "on the CPU a step of many prompts delays them all; one at a time staggers bursts"
-    return 0, "a GPU prefills many prompts in one short step"
+        why = "on the CPU a step of many prompts delays them all; one at a time spreads a burst"
+        return (1 if num is None else num), (1 if long is None else long), why
+    return num or 0, long or 0, "a GPU prefills many prompts in one short step"
 
 
 def plan_engine_loop(config: EngineConfig, device: torch.device) -> tuple[str, str]:

@@ -12,11 +12,16 @@ Policy, per step, under ``max_num_batched_tokens`` and ``max_num_seqs``:
    to be recomputed later (its cached prefix blocks usually make that cheap).
 2. Then waiting requests, first come first served, each starting from its longest
    prefix-cache hit, while budget, sequence slots and free blocks last. No new request is
-   admitted in a step that had to preempt. With ``max_long_partial_prefills`` (vLLM V0's
-   flag; the CPU server's default is 1), a request with more than
-   ``long_prefill_token_threshold`` tokens to compute waits while that many long prefills
-   already run this step: prompts that start together with equal lengths would otherwise
-   finish together, and a burst would stay a burst, wave after wave.
+   admitted in a step that had to preempt. With ``max_num_partial_prefills`` (vLLM V0's
+   flag; the CPU server's default is 1), a request with more than one token to compute
+   waits while that many prefills already run this step; with ``max_long_partial_prefills``
+   (the same), one with more than ``long_prefill_token_threshold`` tokens to compute waits
+   while that many long prefills do. Where a step's time grows with its prompt tokens (the
+   CPU), a burst prefilled in one step makes every request in it wait for all of them, and
+   prompts that start together with equal lengths finish together: a burst stays a burst,
+   wave after wave. One prefill a step spreads it, and it stays spread (2 AVX2 cores, the
+   built-in target, 64 x 128/128 at 16 concurrent, repeated prompts leaving 16 tokens each
+   to compute: TTFT P50 ~25 ms, against ~45 ms with five a step and ~60 ms with sixteen).
 3. With speculative decoding, the scheduler owns the round: it schedules the draft tokens
    proposed last step for verification, chooses how many to propose after this step (the
    adaptive controller's k, for every request: a seeded one's output does not depend on k)
@@ -265,6 +270,8 @@ class Scheduler:
         chosen: list[Request] = []
         long_limit = self.config.max_long_partial_prefills
         num_long = 0  # long prefills given tokens this step
+        prefill_limit = self.config.max_num_partial_prefills
+        num_prefills = 0  # requests given more than one token to compute this step (prefills)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -272,6 +279,7 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids), budget)
             if long_limit:
                 num_long += self._is_long_prefill(req, req.num_computed_tokens)
+            num_prefills += req.num_tokens - req.num_computed_tokens > 1  # a decode has one token to compute
             preempted_self = False
             while not self._try_allocate(req, req.num_computed_tokens + num_new):
                 victim = self.running.pop()
@@ -299,6 +307,9 @@ class Scheduler:
                 is_long = bool(long_limit) and self._is_long_prefill(req, num_computed)
                 if is_long and num_long >= long_limit:
                     break  # first come, first served: it waits for the long prefill ahead of it
+                if prefill_limit and num_new > 1 and num_prefills >= prefill_limit:
+                    break  # the same, for the prefills ahead of it
+                num_prefills += num_new > 1
                 num_new = min(num_new, budget)
                 # Cache-hit blocks that are currently free stop being free when taken.
                 free_hits = sum(1 for b in hits if self.pool.blocks[b].ref_count == 0)

@@ -232,12 +232,13 @@ class Server:
 
     # -- endpoints ------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        arrival = time.perf_counter_ns()
-        rid = request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
-        self._check_auth(request)
-        greq = completion_request(await self._read_json(request))
-        self._check_model(greq.model)
-        subs = await self._submit(rid, greq.prompts, greq, arrival)
+        with self.async_engine.admitting():  # the engine loop waits for its submit
+            arrival = time.perf_counter_ns()
+            rid = request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
+            self._check_auth(request)
+            greq = completion_request(await self._read_json(request))
+            self._check_model(greq.model)
+            subs = await self._submit(rid, greq.prompts, greq, arrival)
         trace = self._trace_context(request, rid, arrival)
         if greq.stream:
             return EventStreamResponse(self._stream(rid, subs, greq, chat=False, trace=trace),
@@ -275,39 +276,40 @@ class Server:
                 "top_logprobs": [{self._token_text(k): v for k, v in lp.items()} if lp else None for lp in plp]}
 
     async def chat_completions(self, request: Request) -> Response:
-        arrival = time.perf_counter_ns()
-        rid = request.headers.get("x-request-id") or f"chatcmpl-{uuid.uuid4().hex}"
-        self._check_auth(request)
-        creq = chat_request(await self._read_json(request))
-        greq = creq.greq
-        self._check_model(greq.model)
-        if self.chat is None:
-            raise APIError(400, "this model has no tokenizer, so chat is not available; use /v1/completions "
-                                "with token ids", "messages")
-        pruning = parse_tool_pruning(creq.tool_pruning, self.tool_calling.tool_pruning)
-        pruned = None
-        render_tools = creq.tools
-        if creq.tools and pruning.mode != "off":
-            pruned = self.tool_ranker.select(creq.tools, creq.messages, pruning, creq.forced_function)
-            kept = [creq.tools[i] for i in pruned.kept]
-            render_tools = kept if pruning.mode == "prune" else creq.tools
-            compiler = self.engine.grammar_compiler
-            masked = pruning.mode == "mask" and pruned.dropped > 0 and compiler is not None
-            tools = ToolMode(creq, self.tool_calling, kept, constrain_auto=compiler.token_ref if masked else None)
-        else:
-            tools = ToolMode(creq, self.tool_calling)
-        with_structured_outputs(greq, tools.structured, tools.skip_special_tokens)
-        segments: tuple[PromptSegment, ...] = ()
-        if self.engine.config.enable_prefix_caching:  # where a prompt left the cache is named by its parts
-            prompt_ids, segments = self.chat.render_segments(creq.messages, render_tools)
-        else:
-            prompt_ids = self.chat.render(creq.messages, render_tools)
-        extra: dict[str, Any] = {}
-        if pruned is not None:
-            saved = len(self.chat.render(creq.messages, creq.tools)) - len(prompt_ids) if pruned.dropped and \
-                render_tools is not creq.tools else 0
-            extra["tool_pruning"] = pruned.to_wire(saved)
-        subs = await self._submit(rid, [prompt_ids], greq, arrival, segments, tools.kv_pin_s)
+        with self.async_engine.admitting():  # the engine loop waits for its submit
+            arrival = time.perf_counter_ns()
+            rid = request.headers.get("x-request-id") or f"chatcmpl-{uuid.uuid4().hex}"
+            self._check_auth(request)
+            creq = chat_request(await self._read_json(request))
+            greq = creq.greq
+            self._check_model(greq.model)
+            if self.chat is None:
+                raise APIError(400, "this model has no tokenizer, so chat is not available; use /v1/completions "
+                                    "with token ids", "messages")
+            pruning = parse_tool_pruning(creq.tool_pruning, self.tool_calling.tool_pruning)
+            pruned = None
+            render_tools = creq.tools
+            if creq.tools and pruning.mode != "off":
+                pruned = self.tool_ranker.select(creq.tools, creq.messages, pruning, creq.forced_function)
+                kept = [creq.tools[i] for i in pruned.kept]
+                render_tools = kept if pruning.mode == "prune" else creq.tools
+                compiler = self.engine.grammar_compiler
+                masked = pruning.mode == "mask" and pruned.dropped > 0 and compiler is not None
+                tools = ToolMode(creq, self.tool_calling, kept, constrain_auto=compiler.token_ref if masked else None)
+            else:
+                tools = ToolMode(creq, self.tool_calling)
+            with_structured_outputs(greq, tools.structured, tools.skip_special_tokens)
+            segments: tuple[PromptSegment, ...] = ()
+            if self.engine.config.enable_prefix_caching:  # where a prompt left the cache is named by its parts
+                prompt_ids, segments = self.chat.render_segments(creq.messages, render_tools)
+            else:
+                prompt_ids = self.chat.render(creq.messages, render_tools)
+            extra: dict[str, Any] = {}
+            if pruned is not None:
+                saved = len(self.chat.render(creq.messages, creq.tools)) - len(prompt_ids) if pruned.dropped and \
+                    render_tools is not creq.tools else 0
+                extra["tool_pruning"] = pruned.to_wire(saved)
+            subs = await self._submit(rid, [prompt_ids], greq, arrival, segments, tools.kv_pin_s)
         trace = self._trace_context(request, rid, arrival)
         if greq.stream:
             return EventStreamResponse(self._stream(rid, subs, greq, chat=True, tools=tools, extra=extra,
