@@ -128,7 +128,7 @@ def test_the_prefill_limits_are_left_to_the_plan_only_when_serving(name):
 
     parser = build_parser()
     serve, gen = parser.parse_args(["serve"]), parser.parse_args(["generate", "x"])
-    assert _engine_kwargs(serve, serving=True)[name] is None  # the plan: 1 on the CPU
+    assert _engine_kwargs(serve, serving=True)[name] is None  # the plan's, on the CPU
     assert _engine_kwargs(gen)[name] == 0  # offline: every prompt of a batch at once
     told = parser.parse_args(["serve", "--" + name.replace("_", "-"), "0"])
     assert _engine_kwargs(told, serving=True)[name] == 0

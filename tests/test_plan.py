@@ -251,10 +251,10 @@ def test_an_unknown_engine_loop_is_a_config_error():
 
 
 @pytest.mark.parametrize("device,caps,flags,want", [
-    (CPU, AVX2_KERNELS, (None, None), (1, 1)), (CUDA, H200, (None, None), (0, 0)),
-    (CPU, AVX2_KERNELS, (0, 0), (0, 0)), (CPU, AVX2_KERNELS, (None, 0), (1, 0)), (CUDA, H200, (4, 2), (4, 2)),
+    (CPU, AVX2_KERNELS, (None, None), (2, 1)), (CUDA, H200, (None, None), (0, 0)),
+    (CPU, AVX2_KERNELS, (0, 0), (0, 0)), (CPU, AVX2_KERNELS, (None, 0), (2, 0)), (CUDA, H200, (4, 2), (4, 2)),
 ])
-def test_one_prefill_per_step_on_a_cpu_server_unless_told(device, caps, flags, want):
+def test_two_prefills_one_long_per_step_on_a_cpu_server_unless_told(device, caps, flags, want):
     plan = plan_target(config(device=device.type, max_num_partial_prefills=flags[0],
                               max_long_partial_prefills=flags[1]), arch(), device, caps)
     assert (plan.max_num_partial_prefills, plan.max_long_partial_prefills) == want

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -111,6 +112,18 @@ def test_a_running_chunked_prefill_counts_against_the_step():
     s.add_request(req("b", 4, start=100))
     steps = [[(q.request_id, q.num_tokens) for q in run_step(s)[0].scheduled] for _ in range(3)]
     assert steps == [[("a", 3)], [("a", 2)], [("a", 1), ("b", 2)]]  # b waits beside a's rest (budget left: 1)
+
+
+@pytest.mark.parametrize("limit,want", [(2, ["a", "b"]), (1, ["a"])])
+def test_a_short_prompt_joins_a_long_prompts_step_with_two_prefills_one_long(limit, want):
+    # The CPU server's limits (2 prefills, 1 long): a short prompt behind a long one shares its
+    # step (long anyway) instead of waiting a step; a second long one waits.
+    s = Scheduler(SchedulerConfig(8, 64, True, 0, max_long_partial_prefills=1, long_prefill_token_threshold=5,
+                                  max_num_partial_prefills=limit), BlockPool(64, 4, True))
+    s.add_request(req("a", 8))  # long
+    s.add_request(req("b", 3, start=100))
+    s.add_request(req("c", 8, start=200))
+    assert [q.request_id for q in run_step(s)[0].scheduled] == want
 
 
 def test_a_chunked_long_prefill_counts_until_its_rest_is_short():

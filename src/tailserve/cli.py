@@ -47,8 +47,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "blocks run out (vLLM V1's rule)")
     g.add_argument("--max-num-partial-prefills", type=int, default=None,
                    help="at most N requests are prefilled per step (a prompt with more than one token to compute), "
-                        "so prompts that arrive together start decoding one after another; 0: no limit. "
-                        "Default: 1 for tailserve serve on the CPU, else no limit")
+                        "so prompts that arrive together start decoding a few at a time; 0: no limit. "
+                        "Default: 2 for tailserve serve on the CPU, else no limit")
     g.add_argument("--max-long-partial-prefills", type=int, default=None,
                    help="at most N of them with long prompts (over 4%% of --max-model-len tokens still to compute); "
                         "0: no limit. Default: 1 for tailserve serve on the CPU, else no limit")

@@ -258,7 +258,7 @@ class EngineConfig:
     # None: the plan decides (plan_partial_prefills: 1 on the CPU; tailserve serve's default).
     max_long_partial_prefills: int | None = 0
     # Prompts of any length prefilled per step (see SchedulerConfig): 0, no limit; None, the
-    # plan decides (plan_partial_prefills: 1 on the CPU; tailserve serve's default).
+    # plan decides (plan_partial_prefills: 2 on the CPU; tailserve serve's default).
     max_num_partial_prefills: int | None = 0
     enable_prefix_caching: bool = True
     max_model_len: int | None = None

@@ -393,20 +393,22 @@ def plan_partial_prefills(config: EngineConfig, device: torch.device) -> tuple[i
     ``--max-num-partial-prefills`` / ``--max-long-partial-prefills`` fix them. On the CPU a
     step's time grows with its prompt tokens: a step that prefills many prompts at once makes
     every request in it wait for all of them, and requests that start together with equal
-    lengths finish together, so a burst stays a burst, wave after wave. One prefill per step
-    beside the decodes spreads them. Measured on 2 AVX2 cores, 64 x 128/128 at 16 concurrent:
+    lengths finish together, so a burst stays a burst, wave after wave. A few prefills per step
+    beside the decodes spread them. Measured on 2 AVX2 cores, 64 x 128/128 at 16 concurrent:
     one long prefill per step took ``vllm bench serve``'s TTFT P50 to 174-200 ms in every load
-    (55M Llama), against 172-770 ms swinging between loads; one prefill of any length per step
-    took repeated prompts (16 tokens each left to compute after the prefix cache) from ~45 ms
-    (five a step) or ~60 ms (sixteen) to ~25 ms (the built-in target), at the same throughput.
-    On a GPU a step of many prompts is short; vLLM V1's rule (no limit) holds."""
+    (55M Llama), against 172-770 ms swinging between loads; repeated prompts (16 tokens each
+    left to compute after the prefix cache, so not long) went from ~60 ms with no limit to
+    ~30 ms with two prefills a step (~25 ms with one; the built-in target), at the same
+    throughput. Two, not one: a short prompt behind a long one then shares its step (long
+    anyway) instead of waiting for the next (vLLM V0's reason for two limits). On a GPU a
+    step of many prompts is short; vLLM V1's rule (no limit) holds."""
     num, long = config.max_num_partial_prefills, config.max_long_partial_prefills
     if num is not None and long is not None:
         return num, long, "--max-num-partial-prefills, --max-long-partial-prefills" if num or long \
             else "no limit (the offline default)"
     if device.type == "cpu":
-        why = "on the CPU a step of many prompts delays them all; one at a time spreads a burst"
-        return (1 if num is None else num), (1 if long is None else long), why
+        why = "on the CPU a step of many prompts delays them all; a few at a time spread a burst"
+        return (2 if num is None else num), (1 if long is None else long), why
     return num or 0, long or 0, "a GPU prefills many prompts in one short step"
 
 

@@ -13,15 +13,16 @@ Policy, per step, under ``max_num_batched_tokens`` and ``max_num_seqs``:
 2. Then waiting requests, first come first served, each starting from its longest
    prefix-cache hit, while budget, sequence slots and free blocks last. No new request is
    admitted in a step that had to preempt. With ``max_num_partial_prefills`` (vLLM V0's
-   flag; the CPU server's default is 1), a request with more than one token to compute
+   flag; the CPU server's default is 2), a request with more than one token to compute
    waits while that many prefills already run this step; with ``max_long_partial_prefills``
-   (the same), one with more than ``long_prefill_token_threshold`` tokens to compute waits
-   while that many long prefills do. Where a step's time grows with its prompt tokens (the
-   CPU), a burst prefilled in one step makes every request in it wait for all of them, and
-   prompts that start together with equal lengths finish together: a burst stays a burst,
-   wave after wave. One prefill a step spreads it, and it stays spread (2 AVX2 cores, the
-   built-in target, 64 x 128/128 at 16 concurrent, repeated prompts leaving 16 tokens each
-   to compute: TTFT P50 ~25 ms, against ~45 ms with five a step and ~60 ms with sixteen).
+   (the same; 1 there), one with more than ``long_prefill_token_threshold`` tokens to
+   compute waits while that many long prefills do. Where a step's time grows with its
+   prompt tokens (the CPU), a burst prefilled in one step makes every request in it wait for
+   all of them, and prompts that start together with equal lengths finish together: a burst
+   stays a burst, wave after wave. A few prefills a step spread it, and it stays spread (2
+   AVX2 cores, the built-in target, 64 x 128/128 at 16 concurrent, repeated prompts leaving
+   16 tokens each to compute: TTFT P50 ~25 ms with one a step, ~30 ms with two, ~45 ms with
+   five, ~60 ms with sixteen).
 3. With speculative decoding, the scheduler owns the round: it schedules the draft tokens
    proposed last step for verification, chooses how many to propose after this step (the
    adaptive controller's k, for every request: a seeded one's output does not depend on k)
