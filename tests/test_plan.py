@@ -259,6 +259,8 @@ def test_two_prefills_one_long_per_step_on_a_cpu_server_unless_told(device, caps
                               max_long_partial_prefills=flags[1]), arch(), device, caps)
     assert (plan.max_num_partial_prefills, plan.max_long_partial_prefills) == want
     assert plan.describe()["prefills_per_step"].startswith(f"{want[0] or 'any'}, long ones {want[1] or 'any'} (")
+    named = flags[1] is not None and flags != (0, 0)  # both 0: the offline default, no flag named
+    assert ("--max-long-partial-prefills" in plan.partial_prefills_reason) == named
 
 
 @pytest.mark.parametrize("name", ["max_long_partial_prefills", "max_num_partial_prefills"])

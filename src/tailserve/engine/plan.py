@@ -406,10 +406,12 @@ def plan_partial_prefills(config: EngineConfig, device: torch.device) -> tuple[i
     if num is not None and long is not None:
         return num, long, "--max-num-partial-prefills, --max-long-partial-prefills" if num or long \
             else "no limit (the offline default)"
+    told = "".join(f"; {flag} as given" for flag, v in (("--max-num-partial-prefills", num),
+                                                         ("--max-long-partial-prefills", long)) if v is not None)
     if device.type == "cpu":
-        why = "on the CPU a step of many prompts delays them all; a few at a time spread a burst"
+        why = "on the CPU a step of many prompts delays them all; a few at a time spread a burst" + told
         return (2 if num is None else num), (1 if long is None else long), why
-    return num or 0, long or 0, "a GPU prefills many prompts in one short step"
+    return num or 0, long or 0, "a GPU prefills many prompts in one short step" + told
 
 
 def plan_engine_loop(config: EngineConfig, device: torch.device) -> tuple[str, str]:

@@ -280,7 +280,8 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids), budget)
             if long_limit:
                 num_long += self._is_long_prefill(req, req.num_computed_tokens)
-            num_prefills += req.num_tokens - req.num_computed_tokens > 1  # a decode has one token to compute
+            if prefill_limit:
+                num_prefills += req.num_tokens - req.num_computed_tokens > 1  # a decode has one token to compute
             preempted_self = False
             while not self._try_allocate(req, req.num_computed_tokens + num_new):
                 victim = self.running.pop()
