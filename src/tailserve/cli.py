@@ -203,6 +203,10 @@ def _check_port(flag: str, port: int, allow_zero: bool = False) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from tailserve.engine import worker_spin
+
+    # Before torch (and with it libgomp, which reads it once) loads: engine/worker_spin.py.
+    worker_spin.limit_for_serving()
     from tailserve.config import EngineConfig
     from tailserve.engine.llm_engine import LLMEngine
     from tailserve.server.run import check_bindable, resolve_http2_port, run_server

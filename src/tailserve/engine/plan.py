@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tailserve.config import EngineConfig, decode_graph_batch_sizes
+from tailserve.engine import worker_spin
 from tailserve.errors import ConfigError
 from tailserve.model.config import ModelArchConfig, parse_dtype
 from tailserve.model.linear import CpuCompactWeightsLinearMethod
@@ -202,6 +203,10 @@ class TargetPlan:
     max_num_partial_prefills: int = 0
     max_long_partial_prefills: int = 0
     partial_prefills_reason: str = ""
+    # libgomp's spin after a parallel region (engine/worker_spin.py): set by ``tailserve serve``
+    # before torch loads, so the plan reports it rather than chooses it.
+    worker_spin: str = ""
+    worker_spin_reason: str = ""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -230,6 +235,7 @@ class TargetPlan:
             "engine_loop": f"{self.engine_loop} ({self.engine_loop_reason})",
             "prefills_per_step": f"{self.max_num_partial_prefills or 'any'}, long ones "
                                  f"{self.max_long_partial_prefills or 'any'} ({self.partial_prefills_reason})",
+            "cpu_worker_spin": f"{self.worker_spin} ({self.worker_spin_reason})",
         }
         if self.draft is not None:
             out["draft"] = self.draft.describe()
@@ -376,13 +382,14 @@ def plan_target(config: EngineConfig, arch: ModelArchConfig, device: torch.devic
     kv_dtype, kv_why = plan_kv_cache_dtype(config, model, arch.dtype)
     loop, loop_why = plan_engine_loop(config, device)
     prefills, long_prefills, prefills_why = plan_partial_prefills(config, device)
+    spin, spin_why = worker_spin.current()
     return TargetPlan(device, model, sizes, why, kernels, sampler_why, caps.cpu_capability,
                       grammar_overlap_min_rows=min_rows, grammar_masks_parallel=gpu,
                       grammar_masks_reason=masks_why, max_verify_rows=rows, max_verify_rows_reason=rows_why,
                       adapt_threads=adapt, adapt_threads_reason=adapt_why, kv_cache_dtype=kv_dtype,
                       kv_cache_dtype_reason=kv_why, engine_loop=loop, engine_loop_reason=loop_why,
                       max_num_partial_prefills=prefills, max_long_partial_prefills=long_prefills,
-                      partial_prefills_reason=prefills_why)
+                      partial_prefills_reason=prefills_why, worker_spin=spin, worker_spin_reason=spin_why)
 
 
 def plan_partial_prefills(config: EngineConfig, device: torch.device) -> tuple[int, int, str]:
