@@ -32,6 +32,15 @@ LIBGOMP_DEFAULT = 300_000
 _decided: tuple[str, str] | None = None  # (spin, reason) once ``limit_for_serving`` ran here
 
 
+def _users_choice(env: MutableMapping[str, str]) -> tuple[str, str] | None:
+    """The wait the user set (``GOMP_SPINCOUNT``, else ``OMP_WAIT_POLICY``), if any."""
+    if "GOMP_SPINCOUNT" in env:
+        return env["GOMP_SPINCOUNT"], "GOMP_SPINCOUNT as set"
+    if "OMP_WAIT_POLICY" in env:
+        return f"OMP_WAIT_POLICY={env['OMP_WAIT_POLICY']}", "as set"
+    return None
+
+
 def limit_for_serving(env: MutableMapping[str, str] | None = None, torch_loaded: bool | None = None) -> tuple[str, str]:
     """Set ``GOMP_SPINCOUNT`` for a server unless the user chose the wait themselves, or it
     is too late (torch, and with it libgomp, already loaded in this process). Returns what
@@ -40,13 +49,10 @@ def limit_for_serving(env: MutableMapping[str, str] | None = None, torch_loaded:
     real = env is None
     env = os.environ if env is None else env
     loaded = "torch" in sys.modules if torch_loaded is None else torch_loaded
-    if "GOMP_SPINCOUNT" in env:
-        out = (env["GOMP_SPINCOUNT"], "GOMP_SPINCOUNT as set")
-    elif "OMP_WAIT_POLICY" in env:
-        out = (f"OMP_WAIT_POLICY={env['OMP_WAIT_POLICY']}", "as set")
-    elif loaded:
+    out = _users_choice(env)
+    if out is None and loaded:
         out = (str(LIBGOMP_DEFAULT), "libgomp's default: torch was loaded before the server could set GOMP_SPINCOUNT")
-    else:
+    elif out is None:
         env["GOMP_SPINCOUNT"] = str(SERVE_SPIN_COUNT)
         out = (str(SERVE_SPIN_COUNT), "tailserve serve: workers sleep soon after a step, leaving the core to the "
                                       "HTTP work and the clients between steps")
@@ -59,9 +65,5 @@ def current(env: MutableMapping[str, str] | None = None) -> tuple[str, str]:
     """The spin in effect in this process and why (the plan's ``cpu_worker_spin``)."""
     if _decided is not None:
         return _decided
-    env = os.environ if env is None else env
-    if "GOMP_SPINCOUNT" in env:
-        return env["GOMP_SPINCOUNT"], "GOMP_SPINCOUNT as set"
-    if "OMP_WAIT_POLICY" in env:
-        return f"OMP_WAIT_POLICY={env['OMP_WAIT_POLICY']}", "as set"
-    return str(LIBGOMP_DEFAULT), "libgomp's default: steps run back to back offline"
+    return _users_choice(os.environ if env is None else env) or (
+        str(LIBGOMP_DEFAULT), "libgomp's default: steps run back to back offline")
