@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tailserve.config import EngineConfig, decode_graph_batch_sizes
-from tailserve.engine import worker_spin
+from tailserve.engine import huge_pages, worker_spin
 from tailserve.errors import ConfigError
 from tailserve.model.config import ModelArchConfig, parse_dtype
 from tailserve.model.linear import CpuCompactWeightsLinearMethod
@@ -207,6 +207,10 @@ class TargetPlan:
     # before torch loads, so the plan reports it rather than chooses it.
     worker_spin: str = ""
     worker_spin_reason: str = ""
+    # PyTorch's large CPU buffers on 2 MiB pages (engine/huge_pages.py): set by the worker
+    # before anything loads, so the plan reports it rather than chooses it.
+    huge_pages: bool = False
+    huge_pages_reason: str = ""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -236,6 +240,7 @@ class TargetPlan:
             "prefills_per_step": f"{self.max_num_partial_prefills or 'any'}, long ones "
                                  f"{self.max_long_partial_prefills or 'any'} ({self.partial_prefills_reason})",
             "cpu_worker_spin": f"{self.worker_spin} ({self.worker_spin_reason})",
+            "cpu_huge_pages": f"{'on' if self.huge_pages else 'off'} ({self.huge_pages_reason})",
         }
         if self.draft is not None:
             out["draft"] = self.draft.describe()
@@ -383,13 +388,15 @@ def plan_target(config: EngineConfig, arch: ModelArchConfig, device: torch.devic
     loop, loop_why = plan_engine_loop(config, device)
     prefills, long_prefills, prefills_why = plan_partial_prefills(config, device)
     spin, spin_why = worker_spin.current()
+    huge, huge_why = huge_pages.current() if device.type == "cpu" else (False, "not a CPU device")
     return TargetPlan(device, model, sizes, why, kernels, sampler_why, caps.cpu_capability,
                       grammar_overlap_min_rows=min_rows, grammar_masks_parallel=gpu,
                       grammar_masks_reason=masks_why, max_verify_rows=rows, max_verify_rows_reason=rows_why,
                       adapt_threads=adapt, adapt_threads_reason=adapt_why, kv_cache_dtype=kv_dtype,
                       kv_cache_dtype_reason=kv_why, engine_loop=loop, engine_loop_reason=loop_why,
                       max_num_partial_prefills=prefills, max_long_partial_prefills=long_prefills,
-                      partial_prefills_reason=prefills_why, worker_spin=spin, worker_spin_reason=spin_why)
+                      partial_prefills_reason=prefills_why, worker_spin=spin, worker_spin_reason=spin_why,
+                      huge_pages=huge, huge_pages_reason=huge_why)
 
 
 def plan_partial_prefills(config: EngineConfig, device: torch.device) -> tuple[int, int, str]:

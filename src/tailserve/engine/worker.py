@@ -22,6 +22,7 @@ from tailserve.attention.backend import AttentionBackend
 from tailserve.attention.cpu_decode import CpuDecodeBackend
 from tailserve.attention.reference import TorchReferenceBackend
 from tailserve.config import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+from tailserve.engine import huge_pages
 from tailserve.engine.model_runner import ModelRunner
 from tailserve.engine.plan import (
     Capabilities,
@@ -121,7 +122,10 @@ class Worker:
                         ALLOW_LONG_MAX_MODEL_LEN)
         self.max_model_len = max_len
 
-        # 1. The plan: every platform decision, made once, before anything loads.
+        # 1. The plan: every platform decision, made once, before anything loads. PyTorch's
+        # allocator takes its huge-page setting at its first large buffer: set it first
+        # (engine/huge_pages.py; the plan reports what applies).
+        huge_pages.enable_for_engine(device.type == "cpu")
         caps = capabilities or detect_capabilities(device, config.cpu_kernels)
         plan = plan_target(config, arch, device, caps, tp.size)
         if uses_draft_model(config):
