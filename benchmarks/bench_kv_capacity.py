@@ -62,7 +62,8 @@ def main() -> None:
         res[k]["tok_s_rounds"] = [round(r["tok_s"], 1) for r in rs]
     print(f"{args.requests} requests (prompts 32-480 tokens, 16-192 new), KV cache {args.kv_cache_memory}, "
           f"max_model_len {args.max_model_len}, {args.dtype}, KV {res['paged']['kv_cache_dtype']}, "
-          f"admission reserve {args.admission_reserve_tokens} tokens, {args.rounds} round(s)")
+          f"admission reserve {args.admission_reserve_tokens} tokens, {args.rounds} round(s), "
+          f"huge pages {'on' if res['paged']['huge_pages'] else 'off'}")
     print(f"{'':12s} {'max concurrent':>15s} {'mean concurrent':>16s} {'tok/s':>8s} {'preemptions':>12s} "
           f"{'mean wasted MiB':>16s} {'peak wasted MiB':>16s}")
     for k, r in res.items():

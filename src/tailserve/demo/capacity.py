@@ -84,6 +84,7 @@ def run_capacity(kind: str, requests: list[tuple[list[int], int]], kv_bytes: int
            "tok_s": generated / dt, "preemptions": eng.core.scheduler.num_preemptions,
            "mean_wasted_mib": statistics.mean(wasted) / 2**20, "peak_wasted_mib": max(wasted) / 2**20,
            "num_blocks": eng.block_pool.num_blocks, "bytes_per_token": per_token, "seconds": dt,
-           "kv_cache_dtype": str(eng.info.plan.kv_dtype).removeprefix("torch.")}
+           "kv_cache_dtype": str(eng.info.plan.kv_dtype).removeprefix("torch."),
+           "huge_pages": eng.info.plan.huge_pages}
     llm.shutdown()
     return out
