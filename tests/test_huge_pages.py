@@ -91,8 +91,8 @@ def test_in_a_fresh_process_the_allocator_takes_huge_pages_and_after_a_tensor_it
 
 def test_the_served_plan_reports_huge_pages(tiny_server):
     plan = httpx.get(tiny_server.url + "/health", timeout=30).json()["plan"]
-    assert plan["cpu_huge_pages"].startswith(("on (", "off ("))
-    if huge_pages.ENV in os.environ:
-        assert plan["cpu_huge_pages"].endswith("as set)") or "not in force" in plan["cpu_huge_pages"]
-    elif LINUX_THP:
-        assert plan["cpu_huge_pages"].startswith("on (large CPU buffers")
+    report = plan["cpu_huge_pages"]
+    assert report.startswith(("on (", "off (")), report
+    # The server set it itself, or inherited the "1" an in-process engine of this test run set.
+    if LINUX_THP and os.environ.get(huge_pages.ENV, "1") == "1":
+        assert report.startswith(("on (large CPU buffers", f"on ({huge_pages.ENV}=1 as set")), report
