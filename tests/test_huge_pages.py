@@ -45,6 +45,12 @@ def test_the_engine_sets_the_variable_on_a_cpu_unless_the_user_or_the_kernel_dec
     assert huge_pages.decide({}, "madvise", cpu_device=False, platform="linux") == (False, "not a CPU device")
 
 
+def test_a_variable_the_user_set_to_off_is_reported_as_theirs():
+    for value in ("0", "false", "OFF"):
+        on, why = huge_pages.enable_for_engine(True, {huge_pages.ENV: value}, "madvise")
+        assert (on, why) == (False, f"{huge_pages.ENV}={value} as set")
+
+
 def test_a_gpu_engine_leaves_the_environment_alone():
     env: dict[str, str] = {}
     assert huge_pages.enable_for_engine(False, env, "madvise") == (False, "not a CPU device")

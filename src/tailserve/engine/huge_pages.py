@@ -28,6 +28,7 @@ from collections.abc import MutableMapping
 ENV = "THP_MEM_ALLOC_ENABLE"
 HUGE_PAGE_BYTES = 2 << 20
 THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
+_OFF = ("0", "false", "off", "no", "")  # values of the variable that ask for 4 KiB pages
 
 _decided: tuple[bool, str] | None = None  # (in force, reason) once ``enable_for_engine`` ran here
 
@@ -103,7 +104,7 @@ def enable_for_engine(cpu_device: bool, env: MutableMapping[str, str] | None = N
     if set_it:
         env[ENV] = "1"
     in_force = allocator_uses_huge_pages()
-    if not in_force and (set_it or env.get(ENV, "0") != "0"):
+    if not in_force and (set_it or env.get(ENV, "0").strip().lower() not in _OFF):
         why = (f"not in force: this process made a CPU tensor before {ENV} was set (PyTorch reads it at "
                f"its first allocation); set {ENV}=1 before starting")
     if real:

@@ -123,7 +123,7 @@ class Worker:
         self.max_model_len = max_len
 
         # 1. The plan: every platform decision, made once, before anything loads. PyTorch's
-        # allocator takes its huge-page setting at its first large buffer: set it first
+        # allocator reads its huge-page setting at its first allocation: set it first
         # (engine/huge_pages.py; the plan reports what applies).
         huge_pages.enable_for_engine(device.type == "cpu")
         caps = capabilities or detect_capabilities(device, config.cpu_kernels)
