@@ -225,7 +225,7 @@ class Scheduler:
         if need > self.pool.num_free_blocks:
             return False
         if need > 0:
-            req.block_ids.extend(self.pool.allocate(need))
+            req.block_ids.extend(self.pool.allocate(need, req.block_ids[-1] if req.block_ids else None))
         return True
 
     def _preempt(self, req: Request, now_ns: int) -> None:
@@ -337,7 +337,7 @@ class Scheduler:
                 if self.pool.enable_prefix_caching:
                     ps.queries_requests += 1
                     ps.hits_requests += num_computed > 0
-                req.block_ids.extend(self.pool.allocate(need))
+                req.block_ids.extend(self.pool.allocate(need, hits[-1] if hits else None))
                 req.status = RequestStatus.RUNNING
                 req.events.append(("scheduled", now_ns))
                 self.running.append(req)
@@ -580,7 +580,7 @@ class Scheduler:
                 continue
             shared = first.block_ids[:last]
             self.pool.touch(shared)
-            own = self.pool.allocate(1)[0]
+            own = self.pool.allocate(1, shared[-1] if shared else None)[0]
             if (p - 1) % bs:  # tokens before the last one live in that block: copy them
                 src = first.block_ids[last]
                 self.pool.touch([src])

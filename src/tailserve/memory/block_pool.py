@@ -10,6 +10,16 @@ least recently used first; blocks without a hash are handed out before any cache
 Pinned blocks (``pin``: a request that ended in a tool call, whose agent will likely send
 the same prefix again once the tool has run) are free but kept apart until their time is
 up: they are handed out only when no other block is free, soonest expiry first.
+
+Runs: a sequence's blocks are placed side by side where they can be. Each block handed out
+holds back the next ``reserve_ahead`` free, uncached block ids for the sequence that took it
+(``allocate(after=...)`` continues the run), so sequences that grow a block at a time beside
+each other do not interleave their blocks, and the decode attention reads a sequence's K/V
+in long runs instead of jumping at most block boundaries (on the CPU a jump costs a
+prefetch miss per row; docs/benchmarks.md). Held-back blocks are free: they are handed out
+to anyone before a cached block is evicted, and go back to the free queue when the block
+before them is freed. Placement only: which blocks are cached, evicted or pinned, and when,
+is what it would be without runs.
 """
 
 from __future__ import annotations
@@ -59,12 +69,17 @@ class BlockPool:
     clock: Callable[[], float] = time.monotonic  # for pins' expiry
     # Where cache_block and evictions are announced (KV events for routers); None: nowhere.
     events: KVEventLog | None = None
+    # Free, uncached block ids held back behind each block handed out, for its sequence's next
+    # blocks (see the module's docstring); 0: none, blocks in free-queue order only.
+    reserve_ahead: int = 7
     blocks: list[Block] = field(init=False)
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
+        if self.reserve_ahead < 0:
+            raise ValueError("reserve_ahead must be >= 0")
         self.blocks = [Block(i) for i in range(self.num_blocks)]
         # Free blocks, eviction order first. Values unused; OrderedDict gives O(1) removal.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(self.num_blocks))
@@ -75,11 +90,13 @@ class BlockPool:
         # Free pinned blocks -> expiry (clock seconds), soonest first; pins of blocks in use.
         self._free_pinned: OrderedDict[int, float] = OrderedDict()
         self._pin_until: dict[int, float] = {}
+        # Free, uncached blocks held back for the run of the block before them, oldest first.
+        self._reserved: OrderedDict[int, None] = OrderedDict()
 
     # -- queries -----------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free) + len(self._free_pinned)
+        return len(self._free) + len(self._reserved) + len(self._free_pinned)
 
     @property
     def num_used_blocks(self) -> int:
@@ -98,14 +115,28 @@ class BlockPool:
         return set(self._cached)
 
     # -- allocation ----------------------------------------------------------------------
-    def allocate(self, n: int) -> list[int]:
-        """Take n free blocks (ref count 1). Raises if fewer are free: callers check first."""
+    def allocate(self, n: int, after: int | None = None) -> list[int]:
+        """Take n free blocks (ref count 1) for one sequence whose last block is ``after``
+        (None: a new sequence). Raises if fewer are free: callers check first.
+
+        Each block is, in this order: the one after the previous if it is held back for it;
+        the first uncached block of the free queue; a block held back for another sequence's
+        run; the least recently used cached block (evicted); a pinned block, soonest expiry
+        first."""
         if n > self.num_free_blocks:
             raise RuntimeError(f"asked for {n} blocks, {self.num_free_blocks} free")
         self._expire_pins()
         out = []
+        prev = after
         for _ in range(n):
-            if self._free:
+            if prev is not None and prev + 1 in self._reserved:
+                block_id = prev + 1
+                del self._reserved[block_id]
+            elif self._free and (not self._reserved or self.blocks[next(iter(self._free))].block_hash is None):
+                block_id, _ = self._free.popitem(last=False)
+            elif self._reserved:  # before evicting a cached block
+                block_id, _ = self._reserved.popitem(last=False)
+            elif self._free:
                 block_id, _ = self._free.popitem(last=False)
             else:  # only pinned blocks left: the one whose pin ends soonest
                 block_id, _ = self._free_pinned.popitem(last=False)
@@ -117,6 +148,28 @@ class BlockPool:
             block.ref_count = 1
             block.draft_filled = False
             out.append(block_id)
+            self._hold_back_after(block_id)
+            prev = block_id
+        return out
+
+    def _hold_back_after(self, block_id: int) -> None:
+        """Hold back the free, uncached blocks right after ``block_id`` (up to reserve_ahead)."""
+        for j in range(block_id + 1, min(block_id + 1 + self.reserve_ahead, self.num_blocks)):
+            if j in self._reserved:
+                continue
+            if j not in self._free or self.blocks[j].block_hash is not None:
+                break
+            del self._free[j]
+            self._reserved[j] = None
+
+    def _release_after(self, block_id: int) -> list[int]:
+        """The blocks held back after ``block_id`` (now free), taken out of the held-back set."""
+        out = []
+        j = block_id + 1
+        while j in self._reserved:
+            del self._reserved[j]
+            out.append(j)
+            j += 1
         return out
 
     def _evict(self, block: Block) -> None:
@@ -146,6 +199,9 @@ class BlockPool:
                 raise RuntimeError(f"block {block_id} freed more often than allocated")
             block.ref_count -= 1
             if block.ref_count == 0:
+                for j in reversed(self._release_after(block_id)):  # back in block order, before it
+                    self._free[j] = None
+                    self._free.move_to_end(j, last=False)
                 until = self._pin_until.get(block_id)
                 if until is not None and block.block_hash is not None and until > self.clock():
                     self._insert_pinned(block_id, until)
@@ -298,11 +354,14 @@ class BlockPool:
     def check_consistency(self) -> None:
         """Raise if the pool's invariants do not hold (used by tests and debug checks)."""
         for block in self.blocks:
-            in_free = block.block_id in self._free or block.block_id in self._free_pinned
+            where = [block.block_id in q for q in (self._free, self._free_pinned, self._reserved)]
+            in_free = any(where)
             if (block.ref_count == 0) != in_free:
                 raise AssertionError(f"block {block.block_id}: ref {block.ref_count}, in free queue {in_free}")
-            if block.block_id in self._free and block.block_id in self._free_pinned:
-                raise AssertionError(f"block {block.block_id}: in both free queues")
+            if sum(where) > 1:
+                raise AssertionError(f"block {block.block_id}: in more than one free queue")
+            if block.block_id in self._reserved and block.block_hash is not None:
+                raise AssertionError(f"block {block.block_id}: held back but cached")
             if block.ref_count < 0:
                 raise AssertionError(f"block {block.block_id}: negative ref count")
             if (block.block_hash is None) != (block.token_ids is None):
