@@ -162,15 +162,16 @@ class BlockPool:
             del self._free[j]
             self._reserved[j] = None
 
-    def _release_after(self, block_id: int) -> list[int]:
-        """The blocks held back after ``block_id`` (now free), taken out of the held-back set."""
-        out = []
-        j = block_id + 1
-        while j in self._reserved:
+    def _release_after(self, block_id: int) -> None:
+        """Return the blocks held back after ``block_id`` (now free) to the front of the free
+        queue, in block order."""
+        end = block_id + 1
+        while end in self._reserved:
+            end += 1
+        for j in range(end - 1, block_id, -1):
             del self._reserved[j]
-            out.append(j)
-            j += 1
-        return out
+            self._free[j] = None
+            self._free.move_to_end(j, last=False)
 
     def _evict(self, block: Block) -> None:
         if self._cached.get(block.block_hash) == block.block_id:  # type: ignore[arg-type]
@@ -199,9 +200,7 @@ class BlockPool:
                 raise RuntimeError(f"block {block_id} freed more often than allocated")
             block.ref_count -= 1
             if block.ref_count == 0:
-                for j in reversed(self._release_after(block_id)):  # back in block order, before it
-                    self._free[j] = None
-                    self._free.move_to_end(j, last=False)
+                self._release_after(block_id)
                 until = self._pin_until.get(block_id)
                 if until is not None and block.block_hash is not None and until > self.clock():
                     self._insert_pinned(block_id, until)
