@@ -138,7 +138,8 @@ def _run(ctl, b, step, steps, outlook=None):
         ks.append(k)
         tokens += n
         seconds += s
-        pending = (n, s, *ctl.last_round)
+        r = ctl.last_round
+        pending = None if r is None else (n, s, *r)  # None: a quiet step, not measured
     return ks, tokens / seconds
 
 
@@ -470,6 +471,64 @@ def test_a_held_decision_reads_no_window():
     assert reads == []  # held: nothing read
     ks = [ctl.choose_k(4) for _ in range(20)]
     assert 1 in ks  # the periodic exploration (of the best measured k, while off) came when due
+
+
+def test_where_k_0_stands_one_decode_step_in_eight_is_reported_and_stands_for_the_rest():
+    """A held k = 0 (or a ruled-out bucket, or no k fitting the rows) needs no step measured:
+    one decode step in ``quiet_report_every`` is reported (``last_round``), the others are not
+    (None), and the reported one stands for them: the bucket's tokens per admission and its
+    time count them, and off's window keeps them one stretch. A step with prompt tokens is
+    always reported, and a held k > 0 is never quiet."""
+    ctl = AdaptiveSpeculation(k_max=4, explore_every=10**9, decide_every=8, quiet_report_every=8)
+    _feed_costs(ctl, (3e-3, 1e-7), (5e-4, 1e-7))
+    _steady(ctl, 4, 1, tokens=6, seconds=0.009)  # k = 1 measured well below off
+    _steady(ctl, 4, 0, tokens=4, seconds=0.004)
+    bkt = ctl.bucket(4)
+    tokens_before = ctl._admissions[bkt].tokens
+    reported, rounds = [], []
+    for _ in range(64):
+        k = ctl.choose_k(4)
+        rounds.append(ctl.last_round)
+        if ctl.last_round is not None:
+            reported.append(k)
+            ctl.observe_throughput(4, 0.004, *ctl.last_round)
+    assert set(reported) == {0}
+    assert 6 <= len(reported) <= 12 and sum(r is None for r in rounds) >= 52  # about 1 in 8
+    assert ctl.num_quiet_steps == sum(r is None for r in rounds)
+    # Every step's 4 tokens counted, reported or not (those since the last report: pending).
+    pending_tokens = ctl._skipped.get(bkt, [0, 0])[1]
+    assert ctl._admissions[bkt].tokens - tokens_before + pending_tokens == 4 * 64
+    off = ctl.rates[(bkt, 0)]
+    assert off.run >= len(reported)  # one stretch of off, quiet steps and all
+    # A step with prompt tokens (an admission) is reported, quiet or not.
+    assert all(ctl.choose_k(4, decode_only=False) == 0 and ctl.last_round is not None for _ in range(16))
+    # A held k > 0 is never quiet.
+    on = _optimistic(explore_every=10**9)
+    ks, _ = _run(on, 1, lambda k: (1 + k, 0.005 + 0.0005 * k), 40)  # speculating pays
+    assert ks[-1] > 0 and on.num_quiet_steps < 10  # only off's first steps were quiet
+    quiet = on.num_quiet_steps
+    for _ in range(16):
+        assert on.choose_k(1) == ks[-1] and on.last_round is not None
+    assert on.num_quiet_steps == quiet
+
+
+def test_quiet_steps_stretch_a_held_k_0_over_its_reported_steps():
+    """A k = 0 decision holds for ``decide_every`` reported steps: decided afresh on windows
+    that quiet steps left unchanged it would decide the same, and a decision reads every
+    window (~100 us after a forward on 2 AVX2 cores)."""
+    ctl = AdaptiveSpeculation(k_max=4, explore_every=10**9, decide_every=8, quiet_report_every=8)
+    _feed_costs(ctl, (3e-3, 1e-7), (5e-4, 1e-7))
+    _steady(ctl, 4, 1, tokens=6, seconds=0.009)
+    _steady(ctl, 4, 0, tokens=4, seconds=0.004)
+    reads = []
+    measured_rate = ctl.measured_rate
+    ctl._measured_rates = lambda b, cap: reads.append(b) or {k: r for k in range(cap + 1)
+                                                             if (r := measured_rate(b, k)) is not None}
+    for _ in range(64):
+        ctl.choose_k(4)
+        if ctl.last_round is not None:
+            ctl.observe_throughput(4, 0.004, *ctl.last_round)
+    assert 1 <= len(reads) <= 2  # every 8 steps before: 8
 
 
 def _linear_rows_profile(b: int, per_k: float, draft_per_k: float, k_max: int) -> VerifyCostProfile:

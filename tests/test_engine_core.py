@@ -148,7 +148,7 @@ def test_seeded_request_ignores_adaptive_timing(llama_checkpoint, noisy_draft):
         llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=KV, speculative_model=str(noisy_draft))
         ctl = llm.engine.spec_controller
         if k_from_timing is not None:
-            ctl.choose_k = lambda num_decoding, slo_state=None, greedy=False, outlook=None, k=k_from_timing: k
+            ctl.choose_k = lambda num_decoding, *args, k=k_from_timing, **kwargs: k
         outs.append(llm.generate(SEEDED_PROMPTS, SEEDED))
         drafted.append(llm.engine.spec_stats.num_draft_tokens)
     ids = [[o.token_ids for o in run] for run in outs]

@@ -385,7 +385,7 @@ def test_seeded_sampled_requests_take_the_controllers_k_like_everyone_else():
                               frozenset({EOS}), 1024))
         s.add_request(Request("greedy", list(range(20, 26)), SamplingParams(temperature=0, max_tokens=30),
                               frozenset({EOS}), 1024))
-        s.speculation.choose_k = lambda num_decoding, slo_state=None, greedy=False, outlook=None, chosen=chosen: chosen
+        s.speculation.choose_k = lambda num_decoding, *args, chosen=chosen, **kwargs: chosen
         out = s.schedule()
         assert {q.request_id: q.num_lookahead_tokens for q in out.scheduled} == {"seeded": chosen, "greedy": chosen}
 
@@ -400,7 +400,8 @@ def test_the_goodput_objective_sees_each_requests_decode_so_far_and_the_waiting_
     ctl = AdaptiveSpeculation(k_max=4, objective="goodput", slo=SloBounds(tpot_s=0.05, ttft_s=0.5))
     s = Scheduler(SchedulerConfig(2, 64, True), BlockPool(64, 4, False), ctl)
     seen = []
-    ctl.choose_k = lambda num_decoding, slo_state=None, greedy=False, outlook=None: seen.append(slo_state) or 0
+    ctl.choose_k = lambda num_decoding, slo_state=None, greedy=False, outlook=None, decode_only=True: \
+        seen.append(slo_state) or 0
     s.add_request(req("a", 6, max_tokens=20))
     run_step(s)  # a's prompt and first token
     run_step(s)  # a: one token after the first
@@ -484,7 +485,7 @@ def test_the_speculation_policy_sees_the_batchs_remaining_and_context_tokens():
     seen = []
 
     class Spy(AdaptiveSpeculation):
-        def choose_k(self, num_decoding, slo_state=None, greedy=False, outlook=None):
+        def choose_k(self, num_decoding, slo_state=None, greedy=False, outlook=None, decode_only=True):
             seen.append((num_decoding, outlook()))
             return 0
 
@@ -498,3 +499,27 @@ def test_the_speculation_policy_sees_the_batchs_remaining_and_context_tokens():
     s.schedule()
     # a: 7 tokens, 19 left; b: 6 tokens, 2 left; c still in its prompt
     assert seen[-1][0] == 2 and seen[-1][1].remaining_tokens == 19 and seen[-1][1].context_tokens == 13
+
+
+def test_a_quiet_step_of_the_policy_goes_unmeasured_and_only_decode_steps_may_be_quiet():
+    """The policy is told whether a step has prompt tokens (admissions are measured, each
+    one); a step it leaves quiet carries no ``spec_round`` (the engine core then takes no
+    timing of it: test_stages.py)."""
+    from tailserve.speculative.adaptive import AdaptiveSpeculation
+
+    seen = []
+
+    class Quiet(AdaptiveSpeculation):
+        def choose_k(self, num_decoding, slo_state=None, greedy=False, outlook=None, decode_only=True):
+            seen.append(decode_only)
+            return self._set(0, num_decoding, quiet=decode_only)
+
+    s = Scheduler(SchedulerConfig(8, 64, True), BlockPool(64, 4, False), Quiet(k_max=3))
+    s.add_request(req("a", 6, max_tokens=20))
+    out, _ = run_step(s)
+    assert seen == [False] and out.spec_round is not None  # a's prompt: reported
+    s.add_request(req("b", 5, max_tokens=20))
+    out, _ = run_step(s)
+    assert seen[-1] is False and out.spec_round is not None  # a decodes beside b's prompt
+    out, _ = run_step(s)
+    assert seen[-1] is True and out.spec_round is None  # decode only: quiet

@@ -347,3 +347,31 @@ def test_the_speculation_policy_learns_only_through_update():
     assert core._last_cost.target_forward_s == 0.004 and core._last_cost.propose_s == 0.001
     core.step()  # ... observed here, in update
     assert spec._steps_observed == n0 + 1 and core._last_cost is None
+
+
+def test_a_quiet_step_is_not_timed_and_reaches_the_policy_as_nothing():
+    """A step the policy leaves quiet (k = 0 standing: ``AdaptiveSpeculation.last_round`` None)
+    costs no timing in the engine core and no report in the next update; a reported one
+    does."""
+    cfg = EngineConfig(model="builtin", block_size=4, speculative_method="ngram")
+    worker = ReplayWorker(cfg, 64, lambda s: dataclasses.replace(_tokens_for(s), target_forward_s=0.004),
+                          proposer=True)
+    core = EngineCore(cfg, worker=worker)
+    spec = core.scheduler.speculation
+    quiet = [True]
+    spec.choose_k = lambda num_decoding, *a, decode_only=True, **kw: spec._set(0, num_decoding,
+                                                                               quiet=decode_only and quiet[0])
+    core.add_request("r", _prepared(4, max_tokens=8, ignore_eos=True))
+    core.step()
+    core.end_step()  # the prompt: reported (not a decode cost)
+    n0 = spec._steps_observed
+    for _ in range(3):
+        core.step()
+        assert core._pending_timing is None
+        core.end_step()
+    assert spec._steps_observed == n0  # nothing reported, nothing observed
+    quiet[0] = False
+    core.step()
+    core.end_step()
+    core.step()  # its update carries the reported step's cost
+    assert spec._steps_observed == n0 + 1

@@ -184,7 +184,7 @@ class EngineCore:
         cost, self._last_cost = self._last_cost, None
         outputs = self.scheduler.update(sched, result, cost)
         self.num_steps += 1
-        if self.scheduler.speculation is not None:  # what only the speculation policy reads
+        if sched.spec_round is not None:  # what only the speculation policy reads (None: a quiet step)
             # One pass each (paid every step, speculating or not: ~1 ms steps at batch 1 here).
             num_tokens, decode_only = 0, True
             for s in sched.scheduled:

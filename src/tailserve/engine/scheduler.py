@@ -399,15 +399,17 @@ class Scheduler:
         reserve their KV slots (the draft model writes K/V for them during the proposal)."""
         spec = self.speculation
         assert spec is not None
-        num_decoding, greedy = 0, True
+        num_decoding, greedy, decode_only = 0, True, True
         for s, req in zip(out.scheduled, chosen):
             if s.sample:
                 num_decoding += 1
                 greedy = greedy and req.params.greedy
+            decode_only = decode_only and not s.is_prefill
         slo_state = self._slo_state(out, chosen) if num_decoding and spec.objective == "goodput" else None
-        k = spec.choose_k(num_decoding, slo_state, greedy, lambda: self._outlook(out, chosen)) if num_decoding else 0
+        k = spec.choose_k(num_decoding, slo_state, greedy, lambda: self._outlook(out, chosen),
+                          decode_only) if num_decoding else 0
         if num_decoding:
-            out.spec_round = spec.last_round
+            out.spec_round = spec.last_round  # None: a quiet step, not measured
         if k <= 0:
             return  # speculation off this step: nothing to reserve (the common step where it does not pay)
         for idx, (s, req) in enumerate(zip(out.scheduled, chosen)):

@@ -108,7 +108,8 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # The speculation policy's choice for this step (decoding requests, k, steady: the same
     # k as the previous step, all greedy), reported back with the step's cost
-    # (StepCost.spec_round).
+    # (StepCost.spec_round); None where no request samples, or for a quiet step that the
+    # policy does not need measured (AdaptiveSpeculation.last_round).
     spec_round: tuple[int, int, bool, bool] | None = None
     grammar: GrammarBitmask | None = None  # masks of the constrained requests that sample
 

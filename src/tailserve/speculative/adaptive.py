@@ -88,8 +88,10 @@ class LinearCostModel:
     sxx: float = 0.0
     sxy: float = 0.0
     first: tuple[float, float] | None = None
+    _fit: tuple[float, float] | None = None  # params(), until the next observation
 
     def observe(self, tokens: float, seconds: float) -> None:
+        self._fit = None
         if self.first is None:
             self.first = (tokens, seconds)
         f = self.forget
@@ -101,6 +103,11 @@ class LinearCostModel:
         return self.first is not None
 
     def params(self) -> tuple[float, float]:
+        if self._fit is None:
+            self._fit = self._params()
+        return self._fit
+
+    def _params(self) -> tuple[float, float]:
         n0, t0 = self.first or (1.0, 1e-3)
         alpha0 = t0 / (1 + self.prior_beta_fraction * n0)
         beta0 = alpha0 * self.prior_beta_fraction
@@ -246,8 +253,12 @@ class _RateWindow:
     last_step: int = -1  # the controller's step count when the newest step came in
     run: int = 0  # how many of the newest steps came in consecutively (one stretch of this k)
 
-    def add(self, tokens: int, seconds: float, step: int = -1, rounds: int = 0, accepted: int = 0) -> None:
-        self.run = self.run + 1 if step <= self.last_step + 1 else 1
+    def add(self, tokens: int, seconds: float, step: int = -1, rounds: int = 0, accepted: int = 0,
+            gap: int = 1) -> None:
+        """One step, at the controller's step count ``step``; ``gap``: the most steps since
+        the last one that still make it the same stretch (quiet steps of the same k came
+        between them unreported)."""
+        self.run = self.run + 1 if step <= self.last_step + gap else 1
         self.last_step = step
         self.steps.append((tokens, seconds, rounds, accepted))
         if len(self.steps) > self.size:
@@ -260,10 +271,13 @@ class _RateWindow:
         than five times the median step (a descheduled process measures the machine, not k).
         Slow steps that k itself causes stay in: the draft's prefill of a newly admitted
         prompt, a collection of the objects speculation allocates."""
-        limit = 5.0 * statistics.median(s[1] for s in steps)
-        kept = [s for s in steps if s[1] <= limit]
-        return (sum(s[0] for s in kept), sum(s[1] for s in kept), sum(s[2] for s in kept),
-                sum(s[3] for s in kept), len(kept))
+        # In C where it can be (sorted, zip, sum): a decision reads every window of its bucket.
+        secs = sorted([s[1] for s in steps])
+        n = len(secs)
+        limit = 5.0 * (secs[n // 2] if n % 2 else (secs[n // 2 - 1] + secs[n // 2]) / 2)
+        kept = steps if secs[-1] <= limit else [s for s in steps if s[1] <= limit]
+        tokens, seconds, rounds, accepted = map(sum, zip(*kept))
+        return tokens, seconds, rounds, accepted, len(kept)
 
     @staticmethod
     def _tokens(sums: tuple[float, float, float, float, int], accepted_per_round: float | None) -> float:
@@ -426,6 +440,7 @@ class AdaptiveSpeculation:
     _greedy: bool = False  # the batch class of the choice being made (see ``bucket``)
     _decided: dict[int, int] = field(default_factory=dict)  # per bucket: the last k decided (not explored)
     _expected: list[float] | None = None  # expected_accepted per cap, until the next round comes in
+    _figures: list[tuple[float, float]] | None = None  # round figures per cap, until the next round comes in
     _admissions: dict[int, _Admissions] = field(default_factory=dict)  # per batch bucket
     decide_every: int = 8  # steps a bucket's decision holds (explorations still come when due)
     _held: dict[int, list[int]] = field(default_factory=dict)  # per bucket: [k, steps it still holds]
@@ -454,6 +469,19 @@ class AdaptiveSpeculation:
     num_first_explorations_waited: int = 0  # times a first exploration was put off (tests, docs)
     _shapes: dict = field(default_factory=dict)  # (decoding requests, greedy) -> (k_cap, bucket)
     _first_wait_until: dict = field(default_factory=dict)  # per bucket: the step its first exploration is weighed again
+    # Quiet steps. Where k = 0 stands (a bucket ruled out, a decision of k = 0 held, no k
+    # fitting the rows), a decode step's report changes nothing a choice reads soon: one in
+    # ``quiet_report_every`` is reported (keeping off's window, the cost model and the
+    # bucket's time current) and the rest are not measured at all (``last_round`` None). The
+    # reports cost ~15 us a step on 2 AVX2 cores beside a ~1.1 ms batch-1 step: what kept an
+    # adaptive engine that does not draft 1-2% under speculation off (docs/speculative.md).
+    quiet_report_every: int = 8
+    _quiet_count: int = 0
+    _unreported: bool = False  # the choice just made is a quiet step's, left unreported
+    # Per bucket: [steps, tokens] of its quiet steps left unreported since its last decode
+    # step report (which stands for them: the bucket's time, its tokens per admission).
+    _skipped: dict = field(default_factory=dict)
+    num_quiet_steps: int = 0  # steps left unreported (tests, docs)
 
     def __post_init__(self) -> None:
         n = self.k_max + 1
@@ -483,7 +511,7 @@ class AdaptiveSpeculation:
         if num_drafts <= 0:
             return
         cap = num_drafts if cap is None else cap
-        self._expected = None
+        self._expected = self._figures = None
         self._rounds_verified += 1
         self._unit /= self.forget
         if self._unit > 1e100:  # rescale long before float range runs out
@@ -515,6 +543,13 @@ class AdaptiveSpeculation:
         return self._all_round_figures(cap)[cap - 1]
 
     def _all_round_figures(self, k_max: int) -> list[tuple[float, float]]:
+        """round_figures for caps 1..k_max (kept until the next round is verified: a decision
+        reads them several times)."""
+        if self._figures is None:
+            self._figures = self._round_figures_to(self.k_max)
+        return self._figures[:k_max]
+
+    def _round_figures_to(self, k_max: int) -> list[tuple[float, float]]:
         """round_figures for caps 1..k_max in one pass (each cap extends the one below)."""
         acc_all = self.acceptance_rate
         more_all = self._pooled(self._more, 1.0)
@@ -539,12 +574,36 @@ class AdaptiveSpeculation:
         return 2 * max(num_decoding - 1, 0).bit_length() + bool(greedy)
 
     @property
-    def last_round(self) -> tuple[int, int, bool, bool]:
+    def last_round(self) -> tuple[int, int, bool, bool] | None:
         """The choice just made: (decoding requests, k, whether the previous step chose the
-        same k, whether they were all greedy). A step's measured throughput is reported with
-        it (``observe_throughput``), since the engine learns a step's whole cost only after
-        the next choice is made."""
+        same k, whether they were all greedy); None for a quiet step, which the engine need
+        not measure (see ``quiet_report_every``). A step's measured throughput is reported
+        with it (``observe_throughput``), since the engine learns a step's whole cost only
+        after the next choice is made."""
+        if self._unreported:
+            return None
         return self._last_b, self.last_k, self._prev_k == self.last_k, self._greedy
+
+    def _quiet(self, bkt: int | None, num_decoding: int, decode_only: bool) -> bool:
+        """Whether a step of k = 0 that stands goes unreported (all but one in
+        ``quiet_report_every``). Never a step with prompt tokens (admissions are measured
+        apart, each one), nor while an exploration is costed or the last step reported had
+        drafts (the first off steps after drafts are told apart by their reports).
+        ``bkt``: the bucket whose reports stand for the step (None: none read them)."""
+        if not decode_only or self._probe is not None or self._reported_k:
+            return False
+        self._quiet_count += 1
+        if self._quiet_count % self.quiet_report_every == 0:
+            return False
+        self.num_quiet_steps += 1
+        if bkt is not None:
+            skipped = self._skipped.get(bkt)
+            if skipped is None:
+                self._skipped[bkt] = [1, num_decoding]
+            else:
+                skipped[0] += 1
+                skipped[1] += num_decoding  # k = 0, decode only: one token a request
+        return True
 
     def observe_throughput(self, num_tokens: int, seconds: float, num_decoding: int, k: int, steady: bool,
                            greedy: bool = False, num_rounds: int = 0, num_accepted: int = 0,
@@ -568,14 +627,18 @@ class AdaptiveSpeculation:
         if shape is not None and shape[0] == 0:
             return  # no k fits these rows (k_cap 0): nothing measured here is ever compared
         bkt = self.bucket(num_decoding, greedy)
+        # A decode step's report stands for the bucket's quiet steps left unreported since
+        # the last one (k = 0 decode steps like it): their time and tokens count here.
+        skipped = self._skipped.pop(bkt, None) if decode_only else None
+        steps, extra_tokens = (1, 0) if skipped is None else (1 + skipped[0], skipped[1])
         if bkt not in self._drafted:  # read only to weigh the bucket's first exploration
-            self._bucket_s[bkt] = self._bucket_s.get(bkt, 0.0) + seconds
+            self._bucket_s[bkt] = self._bucket_s.get(bkt, 0.0) + seconds * steps
         if bkt in self.ruled_out:
             return  # k = 0 for good here: nothing to compare
         adm = self._admissions.get(bkt)
         if adm is None:
             adm = self._admissions[bkt] = _Admissions()
-        adm.observe(num_tokens, not decode_only, k, seconds, propose_s)
+        adm.observe(num_tokens + extra_tokens, not decode_only, k, seconds, propose_s)
         if not decode_only or not steady:
             return
         if k == 0 and self._steps - self._last_spec_step <= 1 + self.off_settle_steps:
@@ -586,14 +649,16 @@ class AdaptiveSpeculation:
         window = self.rates.get(key)
         if window is None:
             window = self.rates[key] = _RateWindow(self.rate_window)
-        window.add(num_tokens, seconds, self._steps, num_rounds, num_accepted)
+        window.add(num_tokens, seconds, self._steps, num_rounds, num_accepted, gap=steps)
         if len(window.steps) == self.min_rate_steps:
             self._held.pop(bkt, None)  # a k measured for the first time here: decide afresh
 
     def measured_rate(self, num_decoding: int, k: int) -> float | None:
         """Tokens/s measured with ``k`` at this batch size, for the batch class (greedy or
         not) of the choice being made."""
-        bkt = self.bucket(num_decoding, self._greedy)
+        return self._bucket_rate(self.bucket(num_decoding, self._greedy), k)
+
+    def _bucket_rate(self, bkt: int, k: int) -> float | None:
         window = self.rates.get((bkt, k))
         if window is None or len(window.steps) < self.min_rate_steps:
             return None
@@ -626,15 +691,16 @@ class AdaptiveSpeculation:
     def _measured_rates(self, num_decoding: int, cap: int) -> dict[int, float]:
         """k -> measured_rate for the k in 0..cap measured in this bucket (one decision reads
         them several times)."""
-        return {k: r for k in range(cap + 1) if (r := self.measured_rate(num_decoding, k)) is not None}
+        bkt = self.bucket(num_decoding, self._greedy)
+        return {k: r for k in range(cap + 1) if (r := self._bucket_rate(bkt, k)) is not None}
 
     @staticmethod
     def _best_measured(measured: dict[int, float]) -> tuple[int, float | None]:
         """The measured k > 0 with the highest rate (0, None: none)."""
         return max(((k, r) for k, r in measured.items() if k > 0), key=lambda kr: kr[1], default=(0, None))
 
-    def _set(self, k: int, num_decoding: int) -> int:
-        self._prev_k, self.last_k, self._last_b = self.last_k, k, num_decoding
+    def _set(self, k: int, num_decoding: int, quiet: bool = False) -> int:
+        self._prev_k, self.last_k, self._last_b, self._unreported = self.last_k, k, num_decoding, quiet
         return k
 
     def k_cap(self, num_decoding: int) -> int:
@@ -644,11 +710,12 @@ class AdaptiveSpeculation:
         return max(0, min(self.k_max, self.max_rows // max(num_decoding, 1) - 1))
 
     def choose_k(self, num_decoding: int, slo_state: SloState | None = None, greedy: bool = False,
-                 outlook: Callable[[], BatchOutlook] | None = None) -> int:
+                 outlook: Callable[[], BatchOutlook] | None = None, decode_only: bool = True) -> int:
         """k for the next round at ``num_decoding`` decoding requests, all greedy or not
         (``slo_state``: what the goodput objective needs; ignored under throughput;
         ``outlook``: the batch's remaining and context tokens, called only when a bucket's
-        first exploration with drafts is weighed; None: it never waits)."""
+        first exploration with drafts is weighed; None: it never waits; ``decode_only``: the
+        step schedules no prompt tokens, so it may be a quiet one, see ``last_round``)."""
         self._greedy = greedy
         if self.fixed_k is not None:
             self.last_k = self.fixed_k
@@ -661,7 +728,9 @@ class AdaptiveSpeculation:
             shape = self._shapes[(num_decoding, greedy)] = (self.k_cap(num_decoding), self.bucket(num_decoding, greedy))
         cap, bkt = shape
         if cap == 0:
-            return self._set(0, num_decoding)  # no k fits the rows: nothing to explore either
+            # No k fits the rows: nothing to explore either, and no report is read but the
+            # cost model's.
+            return self._set(0, num_decoding, self._quiet(None, num_decoding, decode_only))
         if self._explore_left > 0:
             if bkt == self._explore_bucket:
                 self._explore_left -= 1
@@ -674,7 +743,7 @@ class AdaptiveSpeculation:
             # Ruled out until rounds verified elsewhere (other batch sizes) move the acceptance
             # the bound assumes: weighed again once every 16 of them, not every step.
             if self._rounds_verified < self.ruled_out[bkt] + 16:
-                return self._set(0, num_decoding)
+                return self._set(0, num_decoding, self._quiet(bkt, num_decoding, decode_only))
             if self._cannot_pay(bkt, num_decoding):
                 self.ruled_out[bkt] = self._rounds_verified
                 return self._set(0, num_decoding)
@@ -691,8 +760,13 @@ class AdaptiveSpeculation:
             # (~2% of a 1.4 ms batch-4 step, AVX-512). A held decision was made after off and
             # both cost models were measured, so the checks below would pass.
             self._since_explore[bkt] = since
-            held[1] -= 1
-            return self._set(held[0], num_decoding)
+            quiet = held[0] == 0 and self._quiet(bkt, num_decoding, decode_only)
+            if not quiet:
+                # A decision holds for decide_every *reported* steps: k = 0 decided afresh on
+                # the same windows (a quiet step adds nothing to them) decides the same, and a
+                # decision reads every window (~100-200 us on 2 AVX2 cores after a forward).
+                held[1] -= 1
+            return self._set(held[0], num_decoding, quiet)
         off = self.measured_rate(num_decoding, 0)
         if off is None or not self.target_cost.ready:
             return self._explore(0, bkt, num_decoding)  # measured first: speculation off
