@@ -625,6 +625,11 @@ def test_the_ceiling_anchored_on_a_measured_step_takes_its_cost_besides_the_prof
     assert anchored == pytest.approx(max(2 * 1.2 / 2.0, 3 * 1.2 / 2.1))
     # The anchor's k was not profiled: the profile alone.
     assert profile.ceiling(1, 1.2e-3, 1e-3, measured_on=(5, 2e-3)) == pytest.approx(unanchored)
+    # A profiled k = 1 that read slow (5 ms: a thread waking late) against its 2 ms measured
+    # step: nothing besides the forward and drafts is left, not less than nothing, so k = 2
+    # costs what the profile says (1.2 ms), not a negative time and a bound in the millions.
+    slow_k1 = VerifyCostProfile(((1, 0, 1e-3), (1, 1, 5e-3), (1, 2, 1e-3)), ((1, 1, 1e-4), (1, 2, 2e-4)))
+    assert slow_k1.ceiling(1, 1.2e-3, 1e-3, measured_on=(1, 2e-3)) == pytest.approx(3 * 1.2 / 1.2)
 
 
 def test_a_bucket_whose_measured_k_costs_more_than_profiled_is_ruled_out():

@@ -207,13 +207,20 @@ class VerifyCostProfile:
         base_s = off_step_s - forward_s  # the step besides its profiled part
         if measured_on is not None and measured_on[0] in target:
             km, step_s = measured_on
-            base_s = step_s - (target[km] + draft.get(km, 0.0)) * scale
+            # Never below 0: a step holds at least its forward and its drafts. Where the
+            # profile put the anchor's k dearer than it ran (a slow profiled round), this went
+            # negative, other k's steps cost nothing or less and the bound read 3.5-4.6 million
+            # in two of five warm batch-1 sampled runs (AVX2), where a k = 1 step took twice an
+            # off step: the bucket was never ruled out and kept exploring.
+            base_s = max(step_s - (target[km] + draft.get(km, 0.0)) * scale, 0.0)
+        else:
+            km, step_s = -1, 0.0
         a = min(max(acceptance, 0.0), 1.0)
         best = 1.0
         for k in sorted(target):
             if k > 0:
                 tokens = k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
-                on_s = base_s + (target[k] + draft.get(k, 0.0)) * scale
+                on_s = step_s if k == km else base_s + (target[k] + draft.get(k, 0.0)) * scale
                 best = max(best, tokens * off_step_s / max(on_s, 1e-9))
         return best
 
