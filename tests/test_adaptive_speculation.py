@@ -621,15 +621,15 @@ def test_the_ceiling_anchored_on_a_measured_step_takes_its_cost_besides_the_prof
     profile = _linear_rows_profile(1, 0.0, 0.1, 2)
     unanchored = profile.ceiling(1, 1.2e-3, 1e-3)
     assert unanchored == pytest.approx(3 * 1.2 / 1.4)
-    anchored = profile.ceiling(1, 1.2e-3, 1e-3, measured_on=(1, 2e-3))
+    anchored = profile.ceiling(1, 1.2e-3, 1e-3, measured={1: 2e-3})
     assert anchored == pytest.approx(max(2 * 1.2 / 2.0, 3 * 1.2 / 2.1))
     # The anchor's k was not profiled: the profile alone.
-    assert profile.ceiling(1, 1.2e-3, 1e-3, measured_on=(5, 2e-3)) == pytest.approx(unanchored)
+    assert profile.ceiling(1, 1.2e-3, 1e-3, measured={5: 2e-3}) == pytest.approx(unanchored)
     # A profiled k = 1 that read slow (5 ms: a thread waking late) against its 2 ms measured
     # step: nothing besides the forward and drafts is left, not less than nothing, so k = 2
     # costs what the profile says (1.2 ms), not a negative time and a bound in the millions.
     slow_k1 = VerifyCostProfile(((1, 0, 1e-3), (1, 1, 5e-3), (1, 2, 1e-3)), ((1, 1, 1e-4), (1, 2, 2e-4)))
-    assert slow_k1.ceiling(1, 1.2e-3, 1e-3, measured_on=(1, 2e-3)) == pytest.approx(3 * 1.2 / 1.2)
+    assert slow_k1.ceiling(1, 1.2e-3, 1e-3, measured={1: 2e-3}) == pytest.approx(3 * 1.2 / 1.2)
 
 
 def test_a_bucket_whose_measured_k_costs_more_than_profiled_is_ruled_out():
@@ -690,8 +690,8 @@ def test_a_buckets_first_exploration_with_drafts_waits_until_the_run_can_pay_for
     ctl = _profiled(profile)
     ks, _ = _run(ctl, 1, machine, 1000, outlook=short)
     first = next(i for i, k in enumerate(ks) if k)
-    # (k = 1's cost, or the model's k = 3 costed as the profile's largest, k = 2: 6.4 ms)
-    assert 0.57 / 1.1e-3 <= first <= 0.64 / 1.1e-3 + ctl.explore_every + 1
+    # (k = 1's cost, or the bound's best k = 2: 6.4 ms, 6.7 at the forward the run fitted)
+    assert 0.57 / 1.1e-3 <= first <= 0.67 / 1.1e-3 + ctl.explore_every + 1
     assert sum(1 for k in ks[first:] if k) > 300  # then it speculates
     # Without the scheduler's outlook (or a profile) nothing waits, as before; nor where the
     # proposer has nothing to catch up on (a lookup: its first exploration costs no more than
@@ -707,3 +707,59 @@ def test_a_buckets_first_exploration_with_drafts_waits_until_the_run_can_pay_for
         ctl = _profiled(profile, objective=objective)
         ks, _ = _run(ctl, 1, machine, 200, outlook=lambda: calls.append(1) or short())  # noqa: B023
         assert ks == [0] * 200 and 1 <= len(calls) <= 200 // ctl.explore_every + 1
+
+
+def test_the_bound_takes_each_measured_k_and_grows_the_rest_between_and_past_them():
+    """Profiled steps 1.15, 1.2, 1.25, 1.3 ms for k = 1..4 (1 ms forward + 0.05 ms a k, no
+    drafts), off 1.2 ms. Measured k = 1 at 2 ms and k = 3 at 3 ms: residuals 0.85 and 1.75
+    ms; k = 2 costs its profile plus the residual halfway (1.3 ms), k = 4 plus 1.75 + 0.45
+    (the growth per k between the two largest measured), the measured k what they measured."""
+    profile = _linear_rows_profile(1, 0.05, 0.0, 4)
+    measured = {1: 2e-3, 3: 3e-3}
+    steps = {1: 2e-3, 2: 1.2e-3 + 1.3e-3, 3: 3e-3, 4: 1.3e-3 + 1.75e-3 + 0.45e-3}
+    expected = {k: expected_tokens(0.8, k) * 1.2 / (s * 1e3) for k, s in steps.items()}
+    best = max(expected, key=expected.get)
+    assert profile.best_k(1, 1.2e-3, 1e-3, 0.8, measured=measured) == (best, pytest.approx(expected[best]))
+    # A residual that shrinks past the measured k is not extrapolated down: the largest's holds.
+    shrinking = {1: 3e-3, 3: 2e-3}
+    k4 = 5 * 1.2 / (1.3 + 2.0 - 1.25)  # every draft accepted: k + 1 tokens
+    assert profile.best_k(1, 1.2e-3, 1e-3, measured=shrinking) == (4, pytest.approx(k4))
+    # Below the smallest measured k its residual holds; nothing beats off: (0, 1.0).
+    assert profile.best_k(1, 1.2e-3, 1e-3, 0.5, measured={3: 9e-3}) == (0, 1.0)
+
+
+def test_a_sampled_buckets_bound_takes_the_acceptance_of_sampled_rounds_alone():
+    """Drafts cost half a forward each by the profile: at the acceptance of the sampled
+    rounds (~0.2, pooled with the optimistic prior ~0.45) no k pays, at ~0.8 k = 1-3 would.
+    Greedy requests accepting every draft leave the bound of a sampled bucket at its own
+    rounds' acceptance: ruled out after off's first measurements. The same rounds all
+    counted as sampled keep it open (explored)."""
+    profile = _linear_rows_profile(1, 0.0, 0.5, 3)
+    machine = lambda k: (1 + 0.25 * k, 1.1e-3 + 0.6e-3 * k)  # noqa: E731
+    for greedy_counted_apart in (True, False):
+        ctl = _profiled(profile)
+        for i in range(200):
+            ctl.observe_round(3, 3, cap=3, greedy=greedy_counted_apart)
+            ctl.observe_round(1 if i % 4 == 0 else 0, 3, cap=3)
+        ks, _ = _run(ctl, 1, machine, 200)
+        assert (ctl.bucket(1) in ctl.ruled_out) == greedy_counted_apart
+        assert any(ks) != greedy_counted_apart
+
+
+def test_while_off_the_bounds_best_k_is_probed_then_ruled_out_by_its_own_step():
+    """The profile makes drafts nearly free (k = 3 would pay ~2x at an optimistic acceptance)
+    and the cost model makes them dear (it never proposes a k): the exploration while off
+    probes the bound's k = 3 (not the cheapest, k = 1, whose measured step would leave the
+    bound open at k = 3 and be explored again and again), which costs three off steps, and
+    the bucket is ruled out for good."""
+    profile = _linear_rows_profile(1, 0.05, 0.05, 3)
+    ctl = AdaptiveSpeculation(k_max=3, explore_every=24, cost_profile=profile)
+    _feed_costs(ctl, (1e-3, 0.0), (1e-3, 0.0))
+    for _ in range(30):
+        ctl.observe_round(2, 3, cap=3)
+    machine = lambda k: (expected_tokens(0.75, k), 1.1e-3 * (1 + k) if k < 3 else 3.6e-3)  # noqa: E731
+    ks, _ = _run(ctl, 1, machine, 1500)
+    assert sorted(set(ks)) == [0, 3]
+    assert ctl.bucket(1) in ctl.ruled_out
+    last = max(i for i, k in enumerate(ks) if k)
+    assert ks.index(3) < 200 and last < 300

@@ -524,7 +524,7 @@ class Scheduler:
             if k:
                 self.spec_stats.observe(k, num_acc)
                 if spec is not None:
-                    spec.observe_round(num_acc, k, req.spec_cap)
+                    spec.observe_round(num_acc, k, req.spec_cap, req.params.greedy)
             accepted: list[int] = []
             finished = False
             if new_ids and not req.first_token_ns:

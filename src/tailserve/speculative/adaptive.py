@@ -51,7 +51,8 @@ minutes apart compare the machine's drift (±10-25% here), not k. Explorations l
 ``explore_len`` steps. While speculating they take turns: off, then another k (the model's
 choice, or where that is the k in use a random one at most one above the model's best), so
 off every other time, since an off probe costs little exactly where speculation's lead is
-thin. While off they probe the best measured k (k = 1 where none is), the one the next
+thin. While off they probe the k that the start-up profile's bound (below) finds best where
+it has not been measured yet, else the best measured k (k = 1 where none is), the one the next
 decision weighs against off. Each exploration's cost (its seconds beyond what the k in use
 would have taken for its tokens) sets the least number of steps before the bucket's next, so
 that explorations cost at most ``explore_budget`` of its time (a bucket's first with a draft
@@ -183,46 +184,81 @@ class VerifyCostProfile:
         return target, {k: s for b, k, s in (self.sampled_draft_s if sampled else self.draft_s) if b == num_seqs}
 
     def ceiling(self, num_seqs: int, off_step_s: float, forward_s: float, acceptance: float = 1.0,
-                greedy: bool = True, measured_on: tuple[int, float] | None = None) -> float | None:
+                greedy: bool = True, measured: dict[int, float] | None = None) -> float | None:
         """The most tokens/s any profiled k could reach at ``num_seqs`` decoding requests, as a
         multiple of a k = 0 step that took ``off_step_s`` in all, ``forward_s`` of it the
         target's forward and sampling, with each draft accepted with probability
-        ``acceptance`` (1: every one). A round of k drafts emits (1 - a^(k+1)) / (1 - a) tokens
-        a request (Leviathan et al.); its step is the off step with the forward replaced by
-        the profiled forward at 1 + k rows a request plus the profiled round of k drafts, both
-        scaled by the running engine's forward over the profiled one (the machine now against
-        the machine at start-up). ``greedy``: the costs of a batch of greedy requests, else of
-        sampled ones. ``measured_on`` (k, seconds): a step with k drafts measured in the
-        running engine; every k's step is then that one plus the profiled difference. A step
-        with drafts costs more than its forward and proposal: on 2 AMD EPYC cores, built-in
-        pair, batch 1 sampled, a k = 1 step took 1.33 ms against 0.75 off where the profile
-        put it at ~1.1 (its bookkeeping, a second token's output processing, the target's
-        weights evicted by the draft's forward: its 2-row forward ran 670 us in the engine,
-        515 alone). None where ``num_seqs`` was not profiled."""
+        ``acceptance`` (1: every one); see ``best_k``. None where ``num_seqs`` was not
+        profiled."""
+        best = self.best_k(num_seqs, off_step_s, forward_s, acceptance, greedy, measured)
+        return None if best is None else best[1]
+
+    def best_k(self, num_seqs: int, off_step_s: float, forward_s: float, acceptance: float = 1.0,
+               greedy: bool = True, measured: dict[int, float] | None = None) -> tuple[int, float] | None:
+        """(k, its speed-up over off) for the profiled k that would emit the most tokens/s,
+        (0, 1.0) where none beats off; None where ``num_seqs`` was not profiled.
+
+        A round of k drafts emits (1 - a^(k+1)) / (1 - a) tokens a request (Leviathan et al.);
+        its step is the off step with the forward replaced by the profiled forward at 1 + k
+        rows a request plus the profiled round of k drafts, both scaled by the running
+        engine's forward over the profiled one (the machine now against the machine at
+        start-up). ``greedy``: the costs of a batch of greedy requests, else of sampled ones.
+
+        ``measured`` (k -> seconds of a step with k drafts in the running engine): a measured
+        k costs what it measured, and the others what the profile says plus what the measured
+        steps took besides their profiled parts (their residual): interpolated between the
+        measured k on either side, as the nearest one's below the smallest, and past the
+        largest growing as it grew between the two largest (never shrinking). A step with
+        drafts costs more than its forward and proposal, and more so the more drafts: on 2
+        AMD EPYC cores (AVX2), built-in pair, batch 1 sampled, fixed k = 1, 2, 3, 4, 6 took
+        2.0, 2.5, 2.8, 3.3, 4.4 off steps where the profile put them at 1.8, 2.1, 2.4, 2.9,
+        4.0 (the drafts' bookkeeping, a second token's output processing, the target's
+        weights evicted by the draft's forward). With only k = 1 measured, its residual
+        carried unchanged to k = 4-5 kept the bound at 1.10-1.16x at the measured acceptance
+        (~0.75), where no fixed k reached off (0.73-0.90x)."""
         costs = self._costs(num_seqs, greedy)
         if costs is None:
             return None
         target, draft = costs
         scale = forward_s / target[0]
-        base_s = off_step_s - forward_s  # the step besides its profiled part
-        if measured_on is not None and measured_on[0] in target:
-            km, step_s = measured_on
-            # Never below 0: a step holds at least its forward and its drafts. Where the
-            # profile put the anchor's k dearer than it ran (a slow profiled round), this went
-            # negative, other k's steps cost nothing or less and the bound read 3.5-4.6 million
-            # in two of five warm batch-1 sampled runs (AVX2), where a k = 1 step took twice an
-            # off step: the bucket was never ruled out and kept exploring.
-            base_s = max(step_s - (target[km] + draft.get(km, 0.0)) * scale, 0.0)
-        else:
-            km, step_s = -1, 0.0
+        profiled = {k: (target[k] + draft.get(k, 0.0)) * scale for k in target}
+        # What each measured step took besides its profiled forward and drafts, never below 0
+        # (a step holds at least those). Where the profile put a measured k dearer than it ran
+        # (a slow profiled round), a negative residual made other k's steps cost nothing or
+        # less and the bound read 3.5-4.6 million in two of five warm batch-1 sampled runs.
+        steps = measured or {}
+        residual = {k: max(s - profiled[k], 0.0) for k, s in steps.items() if k > 0 and k in target}
+        known = sorted(residual)
+        base_s = off_step_s - forward_s  # with nothing measured: what an off step has besides its forward
+        slope = 0.0
+        if len(known) >= 2:
+            k1, k2 = known[-2], known[-1]
+            slope = max((residual[k2] - residual[k1]) / (k2 - k1), 0.0)
         a = min(max(acceptance, 0.0), 1.0)
-        best = 1.0
+        best_k, best = 0, 1.0
         for k in sorted(target):
-            if k > 0:
-                tokens = k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
-                on_s = step_s if k == km else base_s + (target[k] + draft.get(k, 0.0)) * scale
-                best = max(best, tokens * off_step_s / max(on_s, 1e-9))
-        return best
+            if k <= 0:
+                continue
+            if k in residual:
+                on_s = steps[k]
+            elif known:
+                lo = [m for m in known if m < k]
+                hi = [m for m in known if m > k]
+                if lo and hi:
+                    m1, m2 = lo[-1], hi[0]
+                    r = residual[m1] + (residual[m2] - residual[m1]) * (k - m1) / (m2 - m1)
+                elif hi:
+                    r = residual[hi[0]]
+                else:
+                    r = residual[lo[-1]] + slope * (k - lo[-1])
+                on_s = r + profiled[k]
+            else:
+                on_s = base_s + profiled[k]
+            tokens = k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+            speed_up = tokens * off_step_s / max(on_s, 1e-9)
+            if speed_up > best:
+                best_k, best = k, speed_up
+        return best_k, best
 
 
 @dataclass(frozen=True)
@@ -463,6 +499,14 @@ class AdaptiveSpeculation:
     # first 28 read 0.58 where other runs read 0.8-0.88 (the acceptance varies with the text).
     ceiling_prior_rounds: float = 16.0
     ruled_out: dict[int, int] = field(default_factory=dict)  # bucket -> rounds verified at the verdict
+    # Per-token acceptance of greedy (True) and sampled (False) requests' rounds, all positions
+    # pooled, for the bound alone: a greedy request accepts more (0.76-0.85 against ~0.68 at
+    # temperature 0.8, built-in pair), and pooled with greedy rounds a sampled bucket's bound
+    # stayed optimistic long after a greedy phase.
+    _class_acc: dict[bool, _Share] = field(default_factory=lambda: {False: _Share(), True: _Share()})
+    # Per bucket: the k the bound found best at its last weighing (probed while off, see
+    # ``choose_k``).
+    _bound_k: dict[int, int] = field(default_factory=dict)
     _rounds_verified: int = 0
     # A bucket's first exploration with drafts costs more than any later one (the draft model
     # catches up on every running request's whole context) and a cold run may end before it
@@ -512,9 +556,10 @@ class AdaptiveSpeculation:
         s = shares[min(j, self.k_max)]
         return s.hits / s.trials if s.trials >= self.min_position_rounds * self._unit else pooled
 
-    def observe_round(self, accepted: int, num_drafts: int, cap: int | None = None) -> None:
+    def observe_round(self, accepted: int, num_drafts: int, cap: int | None = None, greedy: bool = False) -> None:
         """One request's verification: ``accepted`` of ``num_drafts`` drafts kept, drafted
-        under cap ``cap`` (default: num_drafts, i.e. the chain was not cut short)."""
+        under cap ``cap`` (default: num_drafts, i.e. the chain was not cut short);
+        ``greedy``: the request samples greedily."""
         if num_drafts <= 0:
             return
         cap = num_drafts if cap is None else cap
@@ -522,13 +567,16 @@ class AdaptiveSpeculation:
         self._rounds_verified += 1
         self._unit /= self.forget
         if self._unit > 1e100:  # rescale long before float range runs out
-            for shares in (self._go, self._acc, self._more):
+            for shares in (self._go, self._acc, self._more, self._class_acc.values()):
                 for sh in shares:
                     sh.hits /= self._unit
                     sh.trials /= self._unit
             self._unit = 1.0
         w = self._unit
         top = min(num_drafts, self.k_max)
+        by_class = self._class_acc[greedy]
+        by_class.hits += min(accepted, top) * w
+        by_class.trials += min(accepted + 1, top) * w
         for j in range(1, top + 1):
             if j < cap:
                 self._more[j].add(j < num_drafts, w)
@@ -789,16 +837,24 @@ class AdaptiveSpeculation:
         if due:
             # Keep the cost fits and the measured rates fresh. While on: off, then another k (at
             # most one above the model's best k > 0: a long draft at a large batch costs). While
-            # off, the k that the next decision will weigh against off (the best measured one,
-            # else k = 1, the cheapest probe), so that what decides was measured lately: one
-            # bad window of the model's k = 8, never run again, kept speculation off for the
-            # rest of a batch-1 run where k = 1 measured 1.2x off (AVX2, built-in pair). Each
+            # off: the k the bound (``_cannot_pay``, just weighed) finds best where it has not
+            # been measured here, so that each exploration either finds the k that pays or
+            # takes it out of the bound; else the k that the next decision will weigh against
+            # off (the best measured one, else k = 1, the cheapest probe), so that what decides
+            # was measured lately: one bad window of the model's k = 8, never run again, kept
+            # speculation off for the rest of a batch-1 run where k = 1 measured 1.2x off (AVX2,
+            # built-in pair). Probing only that k, a batch-1 sampled bucket whose bound said
+            # k = 4-5 could pay 1.10-1.16x (from k = 1's step alone) kept exploring k = 1 for
+            # 11-62 rounds, each exploration 7-18 ms, until its acceptance drifted low. Each
             # exploration also costs the draft a catch-up over every token generated since it
             # last ran, which the exploration budget charges to the bucket.
             self._since_explore[bkt] = 0
             self._judge_bucket = bkt
             if self._decided.get(bkt, 0) == 0:
-                return self._explore_drafts(self._best_measured(measured)[0] or 1, bkt, num_decoding, outlook)
+                probe_k = min(self._bound_k.get(bkt, 0), cap)
+                if probe_k <= 0 or probe_k in measured:
+                    probe_k = self._best_measured(measured)[0] or 1
+                return self._explore_drafts(probe_k, bkt, num_decoding, outlook)
             turn = self._explore_turn
             self._explore_turn += 1
             cur = self._decided[bkt]
@@ -854,16 +910,18 @@ class AdaptiveSpeculation:
         if profile is None:
             return False
         top = 1 << max(num_decoding - 1, 0).bit_length()  # the bucket's largest batch size
-        acceptance = self._pooled(self._acc, self.ceiling_acceptance_prior, self.ceiling_prior_rounds)
+        acceptance = self._pooled([self._class_acc[self._greedy]], self.ceiling_acceptance_prior,
+                                  self.ceiling_prior_rounds)
         off_s = self.rates[(bkt, 0)].per_step()[1]
         forward_s = min(self.target_cost.predict(num_decoding), off_s)
-        # The k > 0 with the most steady steps measured here anchors every k's cost.
-        measured_on, most = None, self.min_rate_steps - 1
-        for (b, k), window in self.rates.items():
-            if b == bkt and k > 0 and len(window.steps) > most:
-                measured_on, most = (k, window.per_step()[1]), len(window.steps)
-        ceiling = profile.ceiling(top, off_s, forward_s, acceptance, self._greedy, measured_on)
-        return ceiling is not None and ceiling < 1.0 + self.switch_on_margin
+        # Every k > 0 measured here costs what it measured, and tells the others' cost.
+        measured = {k: window.per_step()[1] for (b, k), window in self.rates.items()
+                    if b == bkt and k > 0 and len(window.steps) >= self.min_rate_steps}
+        best = profile.best_k(top, off_s, forward_s, acceptance, self._greedy, measured)
+        if best is None:
+            return False
+        self._bound_k[bkt] = best[0]
+        return best[1] < 1.0 + self.switch_on_margin
 
     def goodput(self, num_decoding: int, k: int, state: SloState) -> float | None:
         """Predicted tokens/s of the requests that still meet the bounds after one step with
