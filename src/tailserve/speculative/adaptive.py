@@ -897,7 +897,9 @@ class AdaptiveSpeculation:
     def _cannot_pay(self, bkt: int, num_decoding: int) -> bool:
         """Whether the start-up profile says no k can beat off by ``switch_on_margin`` in this
         bucket at an optimistic acceptance (``ceiling_acceptance_prior`` pooled with the rounds
-        verified; the bucket's largest batch size profiled; off's measured step). Then
+        verified for the bucket's batch class, greedy or sampled; the bucket's largest batch
+        size profiled; off's measured step; the k measured here, see ``VerifyCostProfile.best_k``;
+        the best k is kept in ``_bound_k``, probed while off). Then
         exploring only costs: on 2 AVX-512 cores the built-in target's verification step at
         batch 4 cost 1.75x an off step at k = 1 and 3.1x at k = 3 (the fused layer's products
         cost about linearly in rows past four), and the one exploration a cold run made (its
