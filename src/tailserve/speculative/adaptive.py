@@ -67,6 +67,7 @@ at temperature 0.8 ran at 0.82x on an AVX-512 one."""
 
 from __future__ import annotations
 
+import bisect
 import random
 import statistics
 from collections import deque
@@ -154,7 +155,7 @@ class VerifyCostProfile:
     def step_extra_s(self, num_seqs: int, k: int, forward_s: float, greedy: bool = True) -> float | None:
         """What a step with ``k`` drafts at ``num_seqs`` decoding requests adds to an off step,
         by the profile (the wider forward and the round of drafts, no draft counted as
-        accepted), scaled as in ``ceiling``; a k past the profiled ones as the largest profiled
+        accepted), scaled as in ``best_k``; a k past the profiled ones as the largest profiled
         (a lower bound); None where ``num_seqs`` was not profiled."""
         costs = self._costs(num_seqs, greedy)
         if costs is None:
@@ -167,7 +168,7 @@ class VerifyCostProfile:
                             context_tokens: int) -> float | None:
         """What a first exploration of ``k`` (``steps`` steps) costs beyond off, by the profile:
         the steps' extra (``step_extra_s``, no draft counted as accepted) and the proposer's
-        catch-up over ``context_tokens`` it has never seen, scaled as in ``ceiling``."""
+        catch-up over ``context_tokens`` it has never seen, scaled as in ``best_k``."""
         costs = self._costs(num_seqs, greedy)
         extra = self.step_extra_s(num_seqs, k, forward_s, greedy)
         if costs is None or extra is None:
@@ -182,16 +183,6 @@ class VerifyCostProfile:
         if 0 not in target:
             return None
         return target, {k: s for b, k, s in (self.sampled_draft_s if sampled else self.draft_s) if b == num_seqs}
-
-    def ceiling(self, num_seqs: int, off_step_s: float, forward_s: float, acceptance: float = 1.0,
-                greedy: bool = True, measured: dict[int, float] | None = None) -> float | None:
-        """The most tokens/s any profiled k could reach at ``num_seqs`` decoding requests, as a
-        multiple of a k = 0 step that took ``off_step_s`` in all, ``forward_s`` of it the
-        target's forward and sampling, with each draft accepted with probability
-        ``acceptance`` (1: every one); see ``best_k``. None where ``num_seqs`` was not
-        profiled."""
-        best = self.best_k(num_seqs, off_step_s, forward_s, acceptance, greedy, measured)
-        return None if best is None else best[1]
 
     def best_k(self, num_seqs: int, off_step_s: float, forward_s: float, acceptance: float = 1.0,
                greedy: bool = True, measured: dict[int, float] | None = None) -> tuple[int, float] | None:
@@ -242,15 +233,14 @@ class VerifyCostProfile:
             if k in residual:
                 on_s = steps[k]
             elif known:
-                lo = [m for m in known if m < k]
-                hi = [m for m in known if m > k]
-                if lo and hi:
-                    m1, m2 = lo[-1], hi[0]
-                    r = residual[m1] + (residual[m2] - residual[m1]) * (k - m1) / (m2 - m1)
-                elif hi:
-                    r = residual[hi[0]]
+                i = bisect.bisect_left(known, k)  # known[i - 1] < k < known[i]
+                if i == 0:
+                    r = residual[known[0]]
+                elif i == len(known):
+                    r = residual[known[-1]] + slope * (k - known[-1])
                 else:
-                    r = residual[lo[-1]] + slope * (k - lo[-1])
+                    m1, m2 = known[i - 1], known[i]
+                    r = residual[m1] + (residual[m2] - residual[m1]) * (k - m1) / (m2 - m1)
                 on_s = r + profiled[k]
             else:
                 on_s = base_s + profiled[k]
