@@ -433,6 +433,25 @@ def test_builtin_bf16_draft_runs_on_compact_weights_and_stays_exact(llm_builtin_
     assert mixed[0].outputs[0].token_ids == alone
 
 
+def test_the_step_log_says_where_a_speculative_step_went(llm_builtin_spec):
+    """Each step of the log carries the worker's stamps (the target's forward, the proposal)
+    and the tokens it emitted: what bench_spec_limit.py splits a speculative step into. A
+    step verifying drafts emits from one token a request to all it verified, and over a
+    generate the log's tokens are the outputs' tokens."""
+    llm = llm_builtin_spec
+    log = llm.engine.step_log
+    before = log[-1].step if log else -1
+    outs = llm.generate(["def add(a, b):", "import os\n"], SamplingParams(temperature=0, max_tokens=24,
+                                                                          ignore_eos=True))
+    steps = [s for s in log if s.step > before]
+    assert sum(s.num_output_tokens for s in steps) == sum(len(o.outputs[0].token_ids) for o in outs)
+    assert all(s.target_forward_s > 0 and s.target_forward_s + s.propose_s <= s.duration_s for s in steps)
+    verify = [s for s in steps if s.num_prefill_tokens == 0 and s.num_decode_tokens > s.num_requests]
+    assert verify and all(s.num_requests <= s.num_output_tokens <= s.num_decode_tokens for s in verify)
+    assert max(s.num_output_tokens - s.num_requests for s in verify) > 0  # some drafts accepted
+    assert sum(s.propose_s > 0 for s in steps) >= len(verify) - 1  # each round was proposed by a step
+
+
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_a_ragged_catch_up_leaves_the_cached_values_it_repeats(llama_checkpoint, draft_checkpoint, backend):
     """Rows of one catch-up needing one and two tokens run as one chain forward of two; the

@@ -23,6 +23,7 @@ from tailserve.engine.scheduler_output import (
     EngineCoreOutput,
     GrammarBitmask,
     ModelExecutor,
+    ModelRunnerOutput,
     SchedulerOutput,
     StepAppliedError,
     StepCost,
@@ -198,7 +199,8 @@ class EngineCore:
                     accepted += o.num_accepted_tokens
             self._pending_timing = _StepTiming(t0, num_tokens, result.target_forward_s, result.propose_s, decode_only,
                                                emitted, sched.spec_round, rounds, accepted)
-        self._record_step(sched, time.perf_counter_ns() - t0, self.scheduler.num_preemptions - preempted_before)
+        self._record_step(sched, time.perf_counter_ns() - t0, self.scheduler.num_preemptions - preempted_before,
+                          result, outputs)
         return outputs
 
     def _grammar_masks(self, sched: SchedulerOutput) -> GrammarBitmask | None:
@@ -259,7 +261,8 @@ class EngineCore:
                                    timing.target_forward_s, timing.propose_s, timing.spec_round, timing.decode_only,
                                    timing.num_rounds, timing.num_accepted)
 
-    def _record_step(self, sched, duration_ns: int, preemptions: int) -> None:
+    def _record_step(self, sched, duration_ns: int, preemptions: int, result: ModelRunnerOutput,
+                     outputs: list[EngineCoreOutput]) -> None:
         running = self.scheduler.running
         live = sum(r.num_computed_tokens for r in running)
         slots = sum(len(r.block_ids) for r in running) * self.config.block_size
@@ -270,6 +273,8 @@ class EngineCore:
             num_running=len(running), num_waiting=self.scheduler.num_waiting,
             kv_blocks_used=self.block_pool.num_used_blocks, kv_blocks_total=self.block_pool.num_blocks,
             kv_token_utilization=live / slots if slots else 0.0, num_preemptions=preemptions,
+            target_forward_s=result.target_forward_s, propose_s=result.propose_s,
+            num_output_tokens=sum(len(o.new_token_ids) for o in outputs),
         ))
 
 

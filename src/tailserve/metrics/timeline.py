@@ -142,3 +142,9 @@ class StepStats:
     kv_blocks_total: int
     kv_token_utilization: float  # live tokens / slots in allocated blocks
     num_preemptions: int  # in this step
+    # Where the step's time went (the worker's own stamps): the target's forward with its
+    # sampling or verification, and the proposer's round of drafts; the rest of
+    # ``duration_s`` is scheduling and bookkeeping.
+    target_forward_s: float = 0.0
+    propose_s: float = 0.0
+    num_output_tokens: int = 0  # tokens the step emitted (accepted drafts and the bonus included)
