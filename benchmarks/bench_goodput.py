@@ -11,6 +11,7 @@ second whose TTFT and TPOT both meet the bounds. A cell's figure is the median o
 
     python benchmarks/bench_goodput.py [--rounds 2] [--slo-tpot-ms 12] [--slo-ttft-ms 250]
         [--png docs/goodput.png] [--json out.json]
+    python benchmarks/bench_goodput.py --replot out.json --png docs/goodput.png
 
 The SLO defaults are set from this machine: --calibrate prints off's TPOT and TTFT P99 at
 light load and at saturation, from which bounds between the two are chosen.
@@ -75,7 +76,11 @@ def main() -> None:
     ap.add_argument("--calibrate", action="store_true", help="only print off's latencies at light load and saturation")
     ap.add_argument("--png", default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--replot", default=None, metavar="JSON", help="only draw --png from an earlier --json")
     args = ap.parse_args()
+    if args.replot:
+        plot(json.loads(pathlib.Path(args.replot).read_text()), args.png or "goodput.png")
+        return
 
     from tailserve.engine.plan import detect_capabilities
 
@@ -144,26 +149,33 @@ def main() -> None:
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(out, indent=1))
     if args.png:
-        import matplotlib
+        plot(out, args.png)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-        for name in names:
-            ax1.plot(rates, [row[name]["request_goodput"] for row in table], marker="o", label=name)
-            ax2.plot(rates, [row[name]["output_throughput"] for row in table], marker="o", label=name)
-        ax1.set_xlabel("offered request rate (req/s, Poisson)")
-        ax1.set_ylabel(f"goodput (req/s with TPOT P99 <= {args.slo_tpot_ms:g} ms and TTFT <= {args.slo_ttft_ms:g} ms)",
-                       fontsize=8)
-        ax2.set_xlabel("offered request rate (req/s, Poisson)")
-        ax2.set_ylabel("output tokens/s")
-        ax1.legend(fontsize=8)
-        ax1.set_title(f"built-in pair, {cpu}, 2 cores", fontsize=9)
-        fig.tight_layout()
-        fig.savefig(args.png, dpi=110)
-        print(f"wrote {args.png}")
+def plot(out: dict, png: str) -> None:
+    """The goodput and throughput curves of a result (``--json``'s content) as a PNG."""
+    import matplotlib
 
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = out["rows"]
+    rates = [row["rate"] for row in rows]
+    names = [n for n in rows[0] if n != "rate"]
+    tpot, ttft = (float(part.split("<=")[1]) for part in out["slo"].split(","))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for name in names:
+        ax1.plot(rates, [row[name]["request_goodput"] for row in rows], marker="o", label=name)
+        ax2.plot(rates, [row[name]["output_throughput"] for row in rows], marker="o", label=name)
+    ax1.set_xlabel("offered request rate (req/s, Poisson)")
+    ax1.set_ylabel(f"goodput (req/s whose TPOT <= {tpot:g} ms and TTFT <= {ttft:g} ms)", fontsize=8)
+    ax2.set_xlabel("offered request rate (req/s, Poisson)")
+    ax2.set_ylabel("output tokens/s")
+    ax1.legend(fontsize=8)
+    ax1.set_title(f"built-in pair, {out['cpu']}, 2 cores, median of {out['rounds']} rounds", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    print(f"wrote {png}")
 
 if __name__ == "__main__":
     main()

@@ -343,6 +343,35 @@ def test_goodput_speculates_for_a_request_at_its_tpot_bound_where_throughputs_ma
     assert good.choose_k(4, within) == 0 and good.num_goodput_overrides == 0
 
 
+def test_goodput_counts_a_queued_requests_wait_for_a_slot_at_ks_rate():
+    """Where the batch is full, a queued request's TTFT is its wait for a decoding request to
+    finish, which a k that emits more a request shortens. The request with 8 ms of TTFT
+    budget that made goodput run off in the test above cannot be admitted before the one
+    decoding request's 60 tokens are out under any k: both k count one request in bound,
+    so goodput keeps throughput's k = 3 (with a free slot it is admitted next step: off, as
+    above). And at batch 4, where k = 2 is only 5% faster than off (throughput stays off), a
+    queued request 0.197 s old meets a 0.4 s TTFT bound only at k = 2's rate: its slot frees
+    after the shortest remaining request's 40 tokens, in 0.205 s at off and 0.2005 s at k = 2
+    (a step included)."""
+    from tailserve.speculative.adaptive import SloState
+
+    steps = {0: (1, 0.005), 3: (3.5, 0.0125)}
+    full = SloState((0.1,), (20,), (0.492,), free_slots=0, decode_remaining_tokens=(60,))
+    good = _measured(1, steps, ttft_s=0.5)
+    assert good.choose_k(1, full) == 3 and good.num_goodput_overrides == 0
+    good = _measured(1, steps, ttft_s=0.5)
+    assert good.choose_k(1, SloState((0.1,), (20,), (0.492,), free_slots=1, decode_remaining_tokens=(60,))) == 0
+
+    steps = {0: (4, 0.005), 1: (5.5, 0.0075), 2: (8.4, 0.010)}  # 200, 183 and 210 tok/s a request
+    queued = SloState((0.2,) * 4, (100,) * 4, (0.197,), free_slots=0, decode_remaining_tokens=(40, 100, 100, 100))
+    thr = _measured(4, steps, objective="throughput", model_says_off=True, ttft_s=0.4)
+    assert thr.choose_k(4, queued) == 0
+    good = _measured(4, steps, model_says_off=True, ttft_s=0.4)
+    assert good.goodput(4, 0, queued) == pytest.approx(4 * 200)
+    assert good.goodput(4, 2, queued) == pytest.approx(5 * 210)
+    assert good.choose_k(4, queued) == 2 and good.num_goodput_overrides == 1
+
+
 def test_goodput_of_a_k_never_measured_here_is_unknown():
     from tailserve.speculative.adaptive import SloState
 

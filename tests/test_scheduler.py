@@ -392,15 +392,16 @@ def test_seeded_sampled_requests_take_the_controllers_k_like_everyone_else():
 
 def test_the_goodput_objective_sees_each_requests_decode_so_far_and_the_waiting_ages():
     """What the controller weighs per step (SloState): decoding requests' seconds since their
-    first token and tokens after it; requests without a first token (in prefill now, or
-    queued behind max_num_seqs) by age."""
+    first token, tokens after it and tokens it may still generate; requests without a first
+    token (in prefill now, or queued behind max_num_seqs) by age, in the order they are
+    served; the slots free."""
     from tailserve.config import SloBounds
     from tailserve.speculative.adaptive import AdaptiveSpeculation
 
     ctl = AdaptiveSpeculation(k_max=4, objective="goodput", slo=SloBounds(tpot_s=0.05, ttft_s=0.5))
     s = Scheduler(SchedulerConfig(2, 64, True), BlockPool(64, 4, False), ctl)
     seen = []
-    ctl.choose_k = lambda num_decoding, slo_state=None, *args, **kwargs: seen.append(slo_state) or 0
+    ctl.choose_k = lambda num_decoding, slo_state=None, *args, **kwargs: seen.append(slo_state()) or 0
     s.add_request(req("a", 6, max_tokens=20))
     run_step(s)  # a's prompt and first token
     run_step(s)  # a: one token after the first
@@ -410,6 +411,8 @@ def test_the_goodput_objective_sees_each_requests_decode_so_far_and_the_waiting_
     state = seen[-1]
     assert state.decode_tokens == (1,) and state.decode_elapsed_s[0] > 0
     assert len(state.waiting_ages_s) == 2 and all(a >= 0 for a in state.waiting_ages_s)  # b in prefill, c queued
+    assert state.num_prefilling == 1 and state.free_slots == 0  # b is served first; c waits for a slot
+    assert state.decode_remaining_tokens == (18,)  # a: 20 - its 2 tokens
     assert s.requests["a"].arrival_ns <= s.requests["a"].first_token_ns
 
 

@@ -383,12 +383,19 @@ class _Admissions:
 class SloState:
     """What the goodput objective weighs in one step (built by the scheduler): per decoding
     request, the seconds since its first token and the tokens after it (its TPOT so far is
-    their ratio); per request still without a first token (queued or in prefill), the
-    seconds since it arrived."""
+    their ratio); per request still without a first token, the seconds since it arrived, in
+    the order they will be served (the ``num_prefilling`` in this step's prefill first, then
+    the queue). Where the batch is full a queued request waits for a decoding request to
+    finish: ``free_slots`` is how many the batch may still admit (None: no limit), and
+    ``decode_remaining_tokens`` the most tokens each decoding request may still generate,
+    ascending (stops may end one sooner)."""
 
     decode_elapsed_s: tuple[float, ...] = ()
     decode_tokens: tuple[int, ...] = ()
     waiting_ages_s: tuple[float, ...] = ()
+    num_prefilling: int = 0
+    free_slots: int | None = None
+    decode_remaining_tokens: tuple[int, ...] = ()
 
 
 @dataclass
@@ -754,10 +761,12 @@ class AdaptiveSpeculation:
             return self.k_max
         return max(0, min(self.k_max, self.max_rows // max(num_decoding, 1) - 1))
 
-    def choose_k(self, num_decoding: int, slo_state: SloState | None = None, greedy: bool = False,
-                 outlook: Callable[[], BatchOutlook] | None = None, decode_only: bool = True) -> int:
+    def choose_k(self, num_decoding: int, slo_state: SloState | Callable[[], SloState] | None = None,
+                 greedy: bool = False, outlook: Callable[[], BatchOutlook] | None = None,
+                 decode_only: bool = True) -> int:
         """k for the next round at ``num_decoding`` decoding requests, all greedy or not
-        (``slo_state``: what the goodput objective needs; ignored under throughput;
+        (``slo_state``: what the goodput objective needs, or a callable that builds it,
+        called only when a goodput decision reads it; ignored under throughput;
         ``outlook``: the batch's remaining and context tokens, called only when a bucket's
         first exploration with drafts is weighed; None: it never waits; ``decode_only``: the
         step schedules no prompt tokens, so it may be a quiet one, see ``last_round``)."""
@@ -875,7 +884,7 @@ class AdaptiveSpeculation:
                 if was_on or self._last_runs_agree(bkt, cand, margin):
                     k = cand
         if self.objective == "goodput" and slo_state is not None:
-            k = self._goodput_choice(num_decoding, k, cap, slo_state)
+            k = self._goodput_choice(num_decoding, k, cap, slo_state() if callable(slo_state) else slo_state)
         if self._judge_bucket == bkt:
             # The first choice after an exploration here: off again means explore less often.
             self._backoff[bkt] = min(self._backoff.get(bkt, 1) * 2, self.max_backoff) if k == 0 else 1
@@ -924,22 +933,37 @@ class AdaptiveSpeculation:
     def _goodput_figures(self, num_decoding: int, k: int, state: SloState) -> tuple[int, float] | None:
         """(requests within the bounds after one step with ``k``, tokens/s a request). A
         decoding request stays within the TPOT bound while (seconds since its first token +
-        the step) / (tokens after it + the step's tokens a request) does; a request without
-        its first token meets the TTFT bound only if its age plus the step does (it cannot
-        get one sooner). Each counts at the step's tokens/s a request (one waiting now will
-        decode at about that rate)."""
+        the step) / (tokens after it + the step's tokens a request) does. A request without
+        its first token meets the TTFT bound only if its age plus its wait does: the step,
+        where it is in prefill or a slot is free for it, else the step plus the time until the
+        decoding request that frees its slot has generated its remaining tokens at k's rate a
+        request (the n-th queued request past the free slots takes the n-th soonest to
+        finish; past them all, the last). So where the batch is full, a k that emits more a
+        step admits the queue sooner: counted one step ahead only, a goodput objective that
+        shortened the step for decoding requests' TPOT let the queue grow at saturation and
+        lost to the throughput objective there (docs/benchmarks.md). Each request counts at
+        the step's tokens/s a request (one waiting now will decode at about that rate)."""
         window = self.rates.get((self.bucket(num_decoding, self._greedy), k))
         if window is None or len(window.steps) < self.min_rate_steps:
             return None
         tokens, seconds = window.per_step(self.expected_accepted(k))
         per_request = tokens / max(num_decoding, 1)
+        rate = per_request / seconds  # tokens/s a request
         slo = self.slo or SloBounds()
         ok = 0
         for elapsed, n in zip(state.decode_elapsed_s, state.decode_tokens):
             ok += slo.tpot_s is None or (elapsed + seconds) / (n + per_request) <= slo.tpot_s
-        for age in state.waiting_ages_s:
-            ok += slo.ttft_s is None or age + seconds <= slo.ttft_s
-        return ok, per_request / seconds
+        if slo.ttft_s is None:
+            return ok + len(state.waiting_ages_s), rate
+        finish = state.decode_remaining_tokens
+        admitted = state.num_prefilling + (len(state.waiting_ages_s) if state.free_slots is None
+                                           else state.free_slots)
+        for i, age in enumerate(state.waiting_ages_s):
+            wait = seconds
+            if i >= admitted and finish:
+                wait += finish[min(i - admitted, len(finish) - 1)] / rate
+            ok += age + wait <= slo.ttft_s
+        return ok, rate
 
     def _goodput_choice(self, num_decoding: int, k_thr: int, cap: int, state: SloState) -> int:
         """The measured k (0 included) with the most goodput, where it keeps a different
