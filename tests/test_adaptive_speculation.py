@@ -372,6 +372,25 @@ def test_goodput_counts_a_queued_requests_wait_for_a_slot_at_ks_rate():
     assert good.choose_k(4, queued) == 2 and good.num_goodput_overrides == 1
 
 
+def test_goodput_charges_a_k_what_it_adds_to_admission_steps():
+    """Steps that admit a request cost k = 3 10 ms more than off (the draft's prefill): the
+    goodput figures spread that over k's tokens at the bucket's admissions per token, as the
+    throughput objective's rate does, so k = 3's tokens/s a request falls and off's stays."""
+    from tailserve.speculative.adaptive import SloState
+
+    ctl = _measured(1, {0: (1, 0.005), 3: (3.5, 0.0125)}, tpot_s=0.05)
+    state = SloState((0.1,), (20,), ())
+    off, on = ctl.goodput(1, 0, state), ctl.goodput(1, 3, state)
+    assert off == pytest.approx(200) and on == pytest.approx(280)
+    for k, seconds in ((3, 0.030), (0, 0.020)) * 3:  # admission steps: k = 3 10 ms dearer
+        ctl.observe_throughput(1, seconds, 1, k, True, decode_only=False, propose_s=0.004 if k else 0.0)
+    adm = ctl._admissions[ctl.bucket(1)]
+    per_token_s = adm.admissions / adm.tokens * 0.010
+    assert per_token_s > 0
+    assert ctl.goodput(1, 0, state) == pytest.approx(off)
+    assert ctl.goodput(1, 3, state) == pytest.approx(3.5 / (0.0125 + 3.5 * per_token_s))
+
+
 def test_goodput_of_a_k_never_measured_here_is_unknown():
     from tailserve.speculative.adaptive import SloState
 

@@ -725,11 +725,14 @@ class AdaptiveSpeculation:
         paid whatever k is, and is left out of every k's rate alike. At saturation, where
         most steps admit, what speculation adds to them still counts: with no admission
         step counted at all, the controller speculated into a queue (docs/speculative.md)."""
+        return 1.0 / (1.0 / decode_rate + self._admission_s_per_token(bkt, k))
+
+    def _admission_s_per_token(self, bkt: int, k: int) -> float:
+        """Seconds that admitting requests adds to ``k``'s steps, per token emitted (the
+        bucket's admissions per token times ``_Admissions.extra_s``; 0 for k = 0 or unseen)."""
         adm = self._admissions.get(bkt)
         extra = None if k <= 0 or adm is None or adm.tokens <= 0 else adm.extra_s()
-        if extra is None:
-            return decode_rate
-        return 1.0 / (1.0 / decode_rate + adm.admissions / adm.tokens * extra)
+        return 0.0 if extra is None else adm.admissions / adm.tokens * extra
 
     def expected_accepted(self, k: int) -> float | None:
         """Accepted drafts a round is expected to yield under cap ``k`` (None for k = 0),
@@ -943,10 +946,15 @@ class AdaptiveSpeculation:
         shortened the step for decoding requests' TPOT let the queue grow at saturation and
         lost to the throughput objective there (docs/benchmarks.md). Each request counts at
         the step's tokens/s a request (one waiting now will decode at about that rate)."""
-        window = self.rates.get((self.bucket(num_decoding, self._greedy), k))
+        bkt = self.bucket(num_decoding, self._greedy)
+        window = self.rates.get((bkt, k))
         if window is None or len(window.steps) < self.min_rate_steps:
             return None
         tokens, seconds = window.per_step(self.expected_accepted(k))
+        # What admissions add to k's steps, spread over its tokens as the throughput objective
+        # counts them (``_with_admissions``): a request decoding beside admissions lives those
+        # steps too, and without them goodput read k's steps cheaper than throughput did.
+        seconds += tokens * self._admission_s_per_token(bkt, k)
         per_request = tokens / max(num_decoding, 1)
         rate = per_request / seconds  # tokens/s a request
         slo = self.slo or SloBounds()
