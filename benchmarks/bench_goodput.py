@@ -8,6 +8,8 @@ fractions of the saturation rate of speculation off, measured first. Each run se
 arrivals of the ``python`` dataset (held-out standard-library code, 128 tokens out, EOS
 ignored) and scores request goodput as ``vllm bench serve --goodput`` does: requests per
 second whose TTFT and TPOT both meet the bounds. A cell's figure is the median over rounds.
+Each run also reads the server's /metrics before and after: the drafts it proposed a token
+emitted, and for the goodput objective the steps where it overrode throughput's k.
 
     python benchmarks/bench_goodput.py [--rounds 2] [--slo-tpot-ms 12] [--slo-ttft-ms 250]
         [--png docs/goodput.png] [--json out.json]
@@ -51,7 +53,22 @@ def configs(slo: str) -> dict[str, list[str]]:
     }
 
 
+def spec_counters(url: str) -> tuple[float, float]:
+    """(draft tokens proposed, goodput overrides) so far, from the server's /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = {"tailserve:spec_decode_num_draft_tokens": 0.0, "tailserve:spec_decode_goodput_overrides": 0.0}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        if family.name in found:
+            found[family.name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return found["tailserve:spec_decode_num_draft_tokens"], found["tailserve:spec_decode_goodput_overrides"]
+
+
 def measure(url: str, requests, tok, rate: float, temperature: float, goodput: dict[str, float]) -> dict:
+    """One run at ``rate``: the bench's result, its wall time, and what the server's
+    speculation did meanwhile (drafts a token emitted, goodput overrides)."""
+    drafts0, overrides0 = spec_counters(url)
     cfg = LoadConfig(base_url=url, request_rate=rate, num_warmups=2, temperature=temperature, seed=0,
                      ignore_eos=True)
     t0 = time.perf_counter()
@@ -59,6 +76,9 @@ def measure(url: str, requests, tok, rate: float, temperature: float, goodput: d
     res = build_result(run, ["ttft", "tpot", "e2el"], parse_percentiles("50,99"), goodput, label=url,
                        tokenizer_id=str(DEFAULT_TARGET_DIR), dataset_name="python")
     res["wall_s"] = time.perf_counter() - t0
+    drafts, overrides = spec_counters(url)
+    res["drafts_per_token"] = (drafts - drafts0) / max(res["total_output_tokens"], 1)
+    res["goodput_overrides"] = overrides - overrides0
     return res
 
 
@@ -124,7 +144,9 @@ def main() -> None:
                     res = measure(servers[name].url, dataset(n), tok, rate, args.temperature, goodput)
                     cells.setdefault((name, i), []).append(res)
                 print(f"round {r + 1}, {rate:.2f} req/s: " + "  ".join(
-                    f"{name} {cells[(name, i)][-1]['request_goodput']:.2f}" for name in names), flush=True)
+                    f"{name} {c['request_goodput']:.2f} ({c['drafts_per_token']:.2f} drafts a token"
+                    + (f", {c['goodput_overrides']:.0f} overrides" if name == "goodput" else "") + ")"
+                    for name in names for c in [cells[(name, i)][-1]]), flush=True)
 
     def med(name: str, i: int, key: str) -> float:
         return statistics.median(c[key] for c in cells[(name, i)])
@@ -134,7 +156,8 @@ def main() -> None:
     table = []
     for i, rate in enumerate(rates):
         row = {name: {key: med(name, i, key) for key in ("request_goodput", "output_throughput", "p99_tpot_ms",
-                                                          "p99_ttft_ms", "request_throughput")}
+                                                          "p99_ttft_ms", "request_throughput", "drafts_per_token",
+                                                          "goodput_overrides")}
                for name in names}
         best_fixed = max(row[n]["request_goodput"] for n in ("off", "k=2", "k=4") if n in row)
         ratio = row["goodput"]["request_goodput"] / best_fixed if best_fixed and "goodput" in row else float("nan")

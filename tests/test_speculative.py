@@ -452,6 +452,26 @@ def test_the_step_log_says_where_a_speculative_step_went(llm_builtin_spec):
     assert sum(s.propose_s > 0 for s in steps) >= len(verify) - 1  # each round was proposed by a step
 
 
+def test_goodput_overrides_reach_prometheus_as_a_counter(llm_builtin_spec):
+    """The controller's count of goodput overrides (here set by hand: the shared engine runs
+    the throughput objective) is exported after each step as a counter that only adds what
+    is new."""
+    llm = llm_builtin_spec
+    ctl = llm.engine.core.scheduler.speculation
+    name = f'tailserve:spec_decode_goodput_overrides_total{{model_name="{llm.engine.model_name}"}}'
+    p = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    before = ctl.num_goodput_overrides
+    try:
+        ctl.num_goodput_overrides = before + 5
+        llm.generate(["def f(x):"], p)
+        assert f"{name} {float(before + 5)}" in llm.engine.prometheus.exposition().decode()
+        ctl.num_goodput_overrides = before + 7
+        llm.generate(["def f(x):"], p)
+        assert f"{name} {float(before + 7)}" in llm.engine.prometheus.exposition().decode()
+    finally:
+        ctl.num_goodput_overrides = before
+
+
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_a_ragged_catch_up_leaves_the_cached_values_it_repeats(llama_checkpoint, draft_checkpoint, backend):
     """Rows of one catch-up needing one and two tokens run as one chain forward of two; the

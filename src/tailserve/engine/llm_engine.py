@@ -296,4 +296,7 @@ class LLMEngine:
         if self.prometheus is not None and core_outputs and self.core.step_log:
             ps = self.core.block_pool.stats
             self.prometheus.observe_step(self.core.step_log[-1], ps.queries_tokens, ps.hits_tokens)
+            ctl = self.core.scheduler.speculation
+            if ctl is not None and ctl.num_goodput_overrides:
+                self.prometheus.observe_goodput_overrides(ctl.num_goodput_overrides)
         return outputs

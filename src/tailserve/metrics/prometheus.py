@@ -232,6 +232,10 @@ class PrometheusMetrics:
                                          registry=r)
         self.spec_accepted = Counter("tailserve:spec_decode_num_accepted_tokens", "Draft tokens accepted.", lab,
                                      registry=r)
+        self.spec_goodput_overrides = Counter(
+            "tailserve:spec_decode_goodput_overrides",
+            "Steps where the goodput objective chose another draft length than throughput would.", lab, registry=r)
+        self._last_goodput_overrides = 0
         self.spec_accepted_pos = Counter("tailserve:spec_decode_num_accepted_tokens_per_pos",
                                          "Draft tokens accepted, by position in the draft.",
                                          ["model_name", "position"], registry=r)
@@ -260,7 +264,7 @@ class PrometheusMetrics:
             "e2el", "queue", "prefill", "decode", "inference", "tpot", "itl", "spec_drafts", "spec_draft_tokens",
             "spec_accepted", "kv_blocks_cached", "kv_internal_frag", "prefix_request_queries", "prefix_request_hits",
             "prefix_evictions", "kv_blocks_shared", "kv_blocks_saved", "accepted", "suffix_requests",
-            "suffix_bytes", "kv_pinned", "kv_pinned_hits", "kv_pinned_taken")}
+            "suffix_bytes", "kv_pinned", "kv_pinned_hits", "kv_pinned_taken", "spec_goodput_overrides")}
         self._last_queries = 0
         self._last_hits = 0
         self._last_kv_counts = (0, 0, 0, 0, 0)
@@ -322,6 +326,13 @@ class PrometheusMetrics:
         self._c["spec_accepted"].inc(num_accepted)
         for pos in range(num_accepted):
             self.spec_accepted_pos.labels(m, str(pos)).inc()
+
+    def observe_goodput_overrides(self, total: int) -> None:
+        """The speculation controller's count of goodput overrides so far (a counter: the
+        increase since the last call is added)."""
+        if total > self._last_goodput_overrides:
+            self._c["spec_goodput_overrides"].inc(total - self._last_goodput_overrides)
+            self._last_goodput_overrides = total
 
     def observe_tokens(self, n: int) -> None:
         self._c["generation_tokens"].inc(n)
