@@ -942,10 +942,9 @@ class AdaptiveSpeculation:
         decoding request that frees its slot has generated its remaining tokens at k's rate a
         request (the n-th queued request past the free slots takes the n-th soonest to
         finish; past them all, the last). So where the batch is full, a k that emits more a
-        step admits the queue sooner. Counted one step ahead only, the objective could not see
-        that, and at saturation it lost to the throughput objective in all three rounds of a
-        sweep (AVX2, built-in pair, docs/benchmarks.md). Each request counts at the step's
-        tokens/s a request (one waiting now will decode at about that rate)."""
+        step admits the queue sooner, which a wait of one step alone cannot see. Each request
+        counts at the step's tokens/s a request (one waiting now will decode at about that
+        rate)."""
         bkt = self.bucket(num_decoding, self._greedy)
         window = self.rates.get((bkt, k))
         if window is None or len(window.steps) < self.min_rate_steps:
