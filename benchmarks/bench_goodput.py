@@ -200,5 +200,6 @@ def plot(out: dict, png: str) -> None:
     fig.savefig(png, dpi=110)
     print(f"wrote {png}")
 
+
 if __name__ == "__main__":
     main()

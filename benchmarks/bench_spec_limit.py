@@ -138,8 +138,12 @@ def main() -> None:
                 warm(llm, b)
                 cell = []
                 for i in range(args.runs):  # each pair in turn off-first and speculative-first
-                    off, spec = (run_once(base_llm, b), run_once(llm, b)) if i % 2 == 0 else \
-                        reversed((run_once(llm, b), run_once(base_llm, b)))
+                    if i % 2 == 0:
+                        off = run_once(base_llm, b)
+                        spec = run_once(llm, b)
+                    else:
+                        spec = run_once(llm, b)
+                        off = run_once(base_llm, b)
                     cell.append({"off": off, "spec": spec, "ratio": spec["tok_s"] / off["tok_s"],
                                  "step_ratio": spec["step_s"] / off["step_s"],
                                  "verify": (spec["forward_s"] - off["forward_s"]) / off["step_s"],

@@ -185,22 +185,22 @@ class EngineCore:
         cost, self._last_cost = self._last_cost, None
         outputs = self.scheduler.update(sched, result, cost)
         self.num_steps += 1
+        emitted = sum(len(o.new_token_ids) for o in outputs)  # the step log's, and the speculation policy's
         if sched.spec_round is not None:  # what only the speculation policy reads (None: a quiet step)
             # One pass each (paid every step, speculating or not: ~1 ms steps at batch 1 here).
             num_tokens, decode_only = 0, True
             for s in sched.scheduled:
                 num_tokens += s.num_tokens
                 decode_only = decode_only and not s.is_prefill
-            emitted = rounds = accepted = 0
+            rounds = accepted = 0
             for o in outputs:
-                emitted += len(o.new_token_ids)
                 if o.num_draft_tokens:
                     rounds += 1
                     accepted += o.num_accepted_tokens
             self._pending_timing = _StepTiming(t0, num_tokens, result.target_forward_s, result.propose_s, decode_only,
                                                emitted, sched.spec_round, rounds, accepted)
         self._record_step(sched, time.perf_counter_ns() - t0, self.scheduler.num_preemptions - preempted_before,
-                          result, outputs)
+                          result, emitted)
         return outputs
 
     def _grammar_masks(self, sched: SchedulerOutput) -> GrammarBitmask | None:
@@ -262,7 +262,7 @@ class EngineCore:
                                    timing.num_rounds, timing.num_accepted)
 
     def _record_step(self, sched, duration_ns: int, preemptions: int, result: ModelRunnerOutput,
-                     outputs: list[EngineCoreOutput]) -> None:
+                     num_output_tokens: int) -> None:
         running = self.scheduler.running
         live = sum(r.num_computed_tokens for r in running)
         slots = sum(len(r.block_ids) for r in running) * self.config.block_size
@@ -274,7 +274,7 @@ class EngineCore:
             kv_blocks_used=self.block_pool.num_used_blocks, kv_blocks_total=self.block_pool.num_blocks,
             kv_token_utilization=live / slots if slots else 0.0, num_preemptions=preemptions,
             target_forward_s=result.target_forward_s, propose_s=result.propose_s,
-            num_output_tokens=sum(len(o.new_token_ids) for o in outputs),
+            num_output_tokens=num_output_tokens,
         ))
 
 
