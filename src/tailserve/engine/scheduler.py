@@ -405,6 +405,8 @@ class Scheduler:
                 num_decoding += 1
                 greedy = greedy and req.params.greedy
             decode_only = decode_only and not s.is_prefill
+        if decode_only and num_decoding and spec.take_quiet_step(num_decoding, greedy):
+            return  # one more quiet step of k = 0 (out.spec_round stays None): nothing to decide
         # Both built only where the policy reads them (the SLO state cost ~16 us a step at batch
         # 8, 2 AVX2 cores, read only by a goodput decision, not by a held or ruled-out bucket).
         slo_state = (lambda: self._slo_state(out, chosen)) if spec.objective == "goodput" else None
