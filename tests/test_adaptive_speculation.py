@@ -372,6 +372,29 @@ def test_goodput_counts_a_queued_requests_wait_for_a_slot_at_ks_rate():
     assert good.choose_k(4, queued) == 2 and good.num_goodput_overrides == 1
 
 
+def test_goodput_judges_a_preempted_request_in_the_queue_by_its_tpot():
+    """A request preempted after its first token waits for a slot like a queued one, but its
+    TTFT is decided: 5 s old, it missed a 0.4 s TTFT bound long ago under every k, and so
+    weighed nothing. Judged by its TPOT, 10 tokens in 0.297 s since its first, it meets a
+    50 ms bound only if its slot frees in 0.203 s: after the shortest remaining request's 40
+    tokens, 0.205 s at off and 0.2005 s at k = 2 (a step included), so goodput takes k = 2
+    where throughput (5% faster) stays off."""
+    from tailserve.speculative.adaptive import SloState
+
+    steps = {0: (4, 0.005), 1: (5.5, 0.0075), 2: (8.4, 0.010)}  # 200, 183 and 210 tok/s a request
+    decoding = dict(decode_elapsed_s=(0.2,) * 4, decode_tokens=(100,) * 4, free_slots=0,
+                    decode_remaining_tokens=(40, 100, 100, 100))
+    preempted = SloState(**decoding, waiting_ages_s=(5.0,), waiting_decoded=((0.297, 10),))
+    good = _measured(4, steps, model_says_off=True, ttft_s=0.4, tpot_s=0.05)
+    assert good.goodput(4, 0, preempted) == pytest.approx(4 * 200)
+    assert good.goodput(4, 2, preempted) == pytest.approx(5 * 210)
+    assert good.choose_k(4, preempted) == 2 and good.num_goodput_overrides == 1
+    # Judged by its age, as a request without a first token, it is out of bound at every k.
+    aged = SloState(**decoding, waiting_ages_s=(5.0,))
+    good = _measured(4, steps, model_says_off=True, ttft_s=0.4, tpot_s=0.05)
+    assert good.choose_k(4, aged) == 0 and good.num_goodput_overrides == 0
+
+
 def test_goodput_charges_a_k_what_it_adds_to_admission_steps():
     """Steps that admit a request cost k = 3 10 ms more than off (the draft's prefill): the
     goodput figures spread that over k's tokens at the bucket's admissions per token, as the

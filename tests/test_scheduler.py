@@ -416,6 +416,32 @@ def test_the_goodput_objective_sees_each_requests_decode_so_far_and_the_waiting_
     assert s.requests["a"].arrival_ns <= s.requests["a"].first_token_ns
 
 
+def test_the_goodput_objective_sees_a_preempted_requests_decode_so_far_not_its_age():
+    """A request preempted after its first token waits in the queue with its TTFT decided:
+    SloState gives its seconds since its first token and tokens after it beside its place in
+    the queue (``waiting_decoded``), and None for the queued requests without one."""
+    from tailserve.config import SloBounds
+    from tailserve.speculative.adaptive import AdaptiveSpeculation
+
+    ctl = AdaptiveSpeculation(k_max=4, objective="goodput", slo=SloBounds(tpot_s=0.05, ttft_s=0.5))
+    s = Scheduler(SchedulerConfig(8, 64, True, 0), BlockPool(4, 4, False), ctl)
+    seen = []
+    ctl.choose_k = lambda num_decoding, slo_state=None, *args, **kwargs: seen.append(slo_state()) or 0
+    s.add_request(req("a", 6, max_tokens=6))
+    s.add_request(req("b", 7, max_tokens=6, start=100))
+    run_step(s)  # both prefill: first tokens
+    run_step(s)
+    out, _ = run_step(s)  # b needs a third block: preempted, queued at the front
+    assert out.preempted_ids == ["b"]
+    s.add_request(req("c", 5, max_tokens=6, start=200))  # queued behind b, no first token
+    run_step(s)
+    state = seen[-1]
+    b = s.requests["b"]
+    assert len(state.waiting_ages_s) == 2 and state.waiting_decoded[1] is None  # c
+    elapsed, tokens = state.waiting_decoded[0]  # b: TPOT so far, not its age
+    assert tokens == b.num_output_tokens - 1 and 0 < elapsed < state.waiting_ages_s[0]
+
+
 def test_admission_hook_lets_a_contiguous_baseline_reserve_the_whole_context():
     """The capacity benchmark's baseline (benchmarks/bench_kv_capacity.py): reserving
     max_model_len per sequence at admission admits 16 / 8 = 2 sequences where paging admits

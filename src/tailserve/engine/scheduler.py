@@ -436,7 +436,8 @@ class Scheduler:
         """Per decoding request its decode so far and the most tokens it may still generate;
         per request without a first token (in this step's prefill, then the queue in order)
         its age; the slots the batch has free. Requests that get their first token this step
-        count as waiting: this step's length is in their TTFT."""
+        count as waiting: this step's length is in their TTFT. A queued request preempted
+        after its first token is judged by its TPOT (``SloState.waiting_decoded``)."""
         now = time.perf_counter_ns()
         elapsed, tokens, ages, remaining = [], [], [], []
         for req in chosen:
@@ -448,9 +449,14 @@ class Scheduler:
             else:
                 ages.append((now - req.arrival_ns) * 1e-9)
         prefilling = len(ages)
-        ages.extend((now - req.arrival_ns) * 1e-9 for req in self.waiting)
+        decoded: list[tuple[float, int] | None] = [None] * prefilling
+        for req in self.waiting:
+            ages.append((now - req.arrival_ns) * 1e-9)
+            decoded.append(((now - req.first_token_ns) * 1e-9, req.num_output_tokens - 1) if req.first_token_ns
+                           else None)
         free = max(self.config.max_num_seqs - len(self.running), 0)
-        return SloState(tuple(elapsed), tuple(tokens), tuple(ages), prefilling, free, tuple(sorted(remaining)))
+        return SloState(tuple(elapsed), tuple(tokens), tuple(ages), prefilling, free, tuple(sorted(remaining)),
+                        tuple(decoded) if any(decoded) else ())
 
     def _describe(self, req: Request, out: SchedulerOutput) -> None:
         """The request's data for the worker: all of it once, then the new block ids."""

@@ -388,7 +388,11 @@ class SloState:
     the queue). Where the batch is full a queued request waits for a decoding request to
     finish: ``free_slots`` is how many the batch may still admit (None: no limit), and
     ``decode_remaining_tokens`` the most tokens each decoding request may still generate,
-    ascending (stops may end one sooner)."""
+    ascending (stops may end one sooner). A request preempted after its first token waits in
+    the queue too, but its TTFT is decided: ``waiting_decoded`` gives, per entry of
+    ``waiting_ages_s`` (empty: none has one), None or such a request's seconds since its
+    first token and tokens after it, and it is judged by its TPOT, the wait added to its
+    seconds with no tokens."""
 
     decode_elapsed_s: tuple[float, ...] = ()
     decode_tokens: tuple[int, ...] = ()
@@ -396,6 +400,7 @@ class SloState:
     num_prefilling: int = 0
     free_slots: int | None = None
     decode_remaining_tokens: tuple[int, ...] = ()
+    waiting_decoded: tuple[tuple[float, int] | None, ...] = ()
 
 
 @dataclass
@@ -1016,7 +1021,9 @@ class AdaptiveSpeculation:
         finish; past them all, the last). So where the batch is full, a k that emits more a
         step admits the queue sooner, which a wait of one step alone cannot see. Each request
         counts at the step's tokens/s a request (one waiting now will decode at about that
-        rate)."""
+        rate). A request preempted after its first token waits as a queued one does and meets
+        the TPOT bound only if (its seconds since its first token + its wait) / its tokens
+        after it does."""
         bkt = self.bucket(num_decoding, self._greedy)
         window = self.rates.get((bkt, k))
         if window is None or len(window.steps) < self.min_rate_steps:
@@ -1032,7 +1039,8 @@ class AdaptiveSpeculation:
         ok = 0
         for elapsed, n in zip(state.decode_elapsed_s, state.decode_tokens):
             ok += slo.tpot_s is None or (elapsed + seconds) / (n + per_request) <= slo.tpot_s
-        if slo.ttft_s is None:
+        decoded = state.waiting_decoded
+        if slo.ttft_s is None and (slo.tpot_s is None or not any(decoded)):
             return ok + len(state.waiting_ages_s), rate
         finish = state.decode_remaining_tokens
         admitted = state.num_prefilling + (len(state.waiting_ages_s) if state.free_slots is None
@@ -1041,7 +1049,11 @@ class AdaptiveSpeculation:
             wait = seconds
             if i >= admitted and finish:
                 wait += finish[min(i - admitted, len(finish) - 1)] / rate
-            ok += age + wait <= slo.ttft_s
+            so_far = decoded[i] if decoded else None
+            if so_far is None:
+                ok += slo.ttft_s is None or age + wait <= slo.ttft_s
+            else:
+                ok += slo.tpot_s is None or (so_far[0] + wait) / max(so_far[1], 1) <= slo.tpot_s
         return ok, rate
 
     def _goodput_choice(self, num_decoding: int, k_thr: int, cap: int, state: SloState) -> int:
