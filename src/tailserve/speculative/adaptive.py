@@ -539,12 +539,14 @@ class AdaptiveSpeculation:
     # branch which made this one quiet would make quiet too, taken by ``take_quiet_step``
     # without a decision and counted at the next one (``_settle``). What those branches read
     # changes only by a report, a verified round or the step count, so a lease ends at the
-    # next report due (``quiet_report_every``) or exploration due, and any observation ends
-    # it. A quiet decision costs ~4 us after a forward, and reserving around it as much
-    # again: ~1% of a 1 ms batch-1 step that an engine with a draft model paid beside one
-    # without, drafting nothing (2 AVX2 cores, built-in pair). Fields: [decoding requests,
-    # greedy, bucket (None: no k fits), steps left, steps taken, held (counts toward the
-    # bucket's next exploration)].
+    # next report due (``quiet_report_every``) or exploration due, and any observation that
+    # could change those branches ends it (a verified round, a report of drafts or of an
+    # exploration, a window measured for the first time). Measured after a forward (2 AVX2
+    # cores, built-in pair, batch 1, an engine whose draft model never drafted): a quiet
+    # decision ~4 us and reserving around it as much again, ~12 us a step beside an engine
+    # without a draft model; ~9 us with leases. Fields: [decoding requests, greedy, bucket
+    # (None: no k fits), steps left, steps taken, held (counts toward the bucket's next
+    # exploration)].
     _lease: list | None = None
 
     def __post_init__(self) -> None:
@@ -603,9 +605,7 @@ class AdaptiveSpeculation:
     def observe_step(self, num_tokens: int, forward_s: float, other_s: float) -> None:
         """A decode/verify step: the target's forward (with sampling) over ``num_tokens``
         tokens took ``forward_s``; the rest of the step ``other_s``."""
-        if self._lease is not None:
-            self._settle()
-        self.target_cost.observe(num_tokens, forward_s)
+        self.target_cost.observe(num_tokens, forward_s)  # not read by a quiet branch: a lease stands
         f = self.target_cost.forget
         self.step_overhead_s = other_s if self._steps_observed == 0 else f * self.step_overhead_s + (1 - f) * other_s
         self._steps_observed += 1
@@ -698,14 +698,17 @@ class AdaptiveSpeculation:
         lease[4] += 1
         return True
 
-    def _settle(self) -> None:
+    def _settle(self, keep: bool = False) -> None:
         """Count the steps taken under the lease as ``_quiet`` and ``choose_k`` would have,
-        one by one, and end it."""
-        lease, self._lease = self._lease, None
+        one by one, and end it (``keep``: let the rest of it stand)."""
+        lease = self._lease
         assert lease is not None
+        if not keep:
+            self._lease = None
         n = lease[4]
         if not n:
             return
+        lease[4] = 0
         num_decoding, greedy, bkt = lease[0], lease[1], lease[2]
         self._steps += n
         self._quiet_count += n
@@ -731,7 +734,9 @@ class AdaptiveSpeculation:
         previous step chose the same k (steady state); a step with prompt tokens (one that
         admits a request) counts apart, see ``_with_admissions``."""
         if self._lease is not None:
-            self._settle()
+            # The report of a k = 0 step outside an exploration changes nothing a quiet branch
+            # reads (the last k reported stays 0): the lease stands, its steps counted so far.
+            self._settle(keep=k == 0 and self._probe is None)
         if self.fixed_k is not None or seconds <= 0 or num_decoding <= 0:
             return
         if self._probe is not None:
@@ -770,6 +775,7 @@ class AdaptiveSpeculation:
         window.add(num_tokens, seconds, self._steps, num_rounds, num_accepted, gap=steps)
         if len(window.steps) == self.min_rate_steps:
             self._held.pop(bkt, None)  # a k measured for the first time here: decide afresh
+            self._lease = None
 
     def measured_rate(self, num_decoding: int, k: int) -> float | None:
         """Tokens/s measured with ``k`` at this batch size, for the batch class (greedy or
