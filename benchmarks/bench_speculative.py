@@ -38,6 +38,10 @@ interval: what two identical engines read in the same run.
 
     python benchmarks/bench_speculative.py --matrix --pairs 12 [--control] [--run-kinds short,long]
         [--batch-sizes 1,4,16] [--json out.json]
+
+``--pairs`` also takes a count per batch size, ``--pairs 1:100,4:40,16:40``: a batch-1 pair is
+one request (~0.1 s of decoding here), a batch-16 pair sixteen, so at one count for all a batch-1
+cell measures 4-5 s per engine against 60-90 s at batch 16, and its interval is the widest.
 """
 
 from __future__ import annotations
@@ -213,6 +217,21 @@ def bootstrap_ratio(off: list[float], adaptive: list[float], draws: int = 2000, 
     return point, stats[int(0.05 * draws)], stats[int(0.95 * draws) - 1]
 
 
+def parse_pairs(text: str) -> dict[int, int] | int:
+    """``--pairs``: one count for every batch size (``40``), or per batch size
+    (``1:100,4:40,16:40``; a batch size not named is not measured)."""
+    try:
+        if ":" not in text:
+            return int(text)
+        counts = {}
+        for part in text.split(","):
+            b, n = part.split(":")
+            counts[int(b)] = int(n)
+        return counts
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--pairs: a count or batch:count pairs (1:100,4:40), got {text!r}") from None
+
+
 def verdict(lo: float, hi: float, goal: float = 0.98) -> str:
     return "met" if lo >= goal else "slower" if hi < goal else "undecided"
 
@@ -224,8 +243,12 @@ def paired_matrix(args: argparse.Namespace) -> dict:
     if not kinds:
         raise SystemExit("--run-kinds: short, long or both")
     names = ("off", "adaptive", "control") if args.control else ("off", "adaptive")
+    per_batch = args.pairs if isinstance(args.pairs, dict) else None
+    keep = set(per_batch) if per_batch else None
     if args.batch_sizes:
-        keep = {int(x) for x in args.batch_sizes.split(",")}
+        named = {int(x) for x in args.batch_sizes.split(",")}
+        keep = named if keep is None else keep & named
+    if keep is not None:
         batches, cells = tuple(b for b in batches if b in keep), [c for c in cells if c[0] in keep]
     warm = {(b, name): engine(b, name) for b in batches for name in names} if "long" in kinds else {}
     for llm in warm.values():
@@ -240,7 +263,7 @@ def paired_matrix(args: argparse.Namespace) -> dict:
         for run in kinds:
             secs: dict[str, list[float]] = {name: [] for name in names}
             drafted = produced = 0
-            for i in range(args.pairs):
+            for i in range(per_batch[b] if per_batch else args.pairs):
                 # A different batch of prompts (and seeds) per pair, the same for every engine.
                 chunk = [prompts[(i * b + j) % len(prompts)] for j in range(b)]
                 params = [SamplingParams(temperature=t, max_tokens=tokens, ignore_eos=True,
@@ -285,8 +308,9 @@ def main() -> None:
     ap.add_argument("--verification", default="token", help="--matrix: token or block verification")
     ap.add_argument("--control", action="store_true",
                     help="--matrix: a second engine with speculation off in every run (the noise floor)")
-    ap.add_argument("--pairs", type=int, default=0,
-                    help="--matrix: finely paired runs per cell instead of rounds (see the docstring)")
+    ap.add_argument("--pairs", type=parse_pairs, default=0,
+                    help="--matrix: finely paired runs per cell instead of rounds, one count or per batch size "
+                         "(1:100,4:40,16:40; see the docstring)")
     ap.add_argument("--run-kinds", default="short,long",
                     help="--matrix --pairs: which runs to measure, short (cold) and/or long (warm)")
     ap.add_argument("--batch-sizes", default=None, help="--matrix --pairs: only these batch sizes (e.g. 1,4)")

@@ -47,3 +47,15 @@ def test_noise_wider_than_the_gap_is_undecided_until_more_pairs_narrow_it(bench)
     many_off, many_ad = _noisy(rng, 1.0, 2000, 0.15), _noisy(rng, 1.0, 2000, 0.15)
     lo, hi = bench.bootstrap_ratio(many_off, many_ad, draws=400)[1:]
     assert hi - lo < 0.03 and bench.verdict(lo, hi) == "met"
+
+
+def test_pairs_take_one_count_or_one_per_batch_size(bench):
+    """``--pairs 40`` for every batch size, ``--pairs 1:100,4:40`` per batch size (a batch-1 pair
+    is one request, a batch-16 pair sixteen); anything else is refused with the form it takes."""
+    import argparse
+
+    assert bench.parse_pairs("40") == 40
+    assert bench.parse_pairs("1:100,4:40,16:40") == {1: 100, 4: 40, 16: 40}
+    for bad in ("1:", "x", "1:100,4"):
+        with pytest.raises(argparse.ArgumentTypeError, match="batch:count"):
+            bench.parse_pairs(bad)
