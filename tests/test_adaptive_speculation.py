@@ -904,3 +904,20 @@ def test_quiet_steps_under_a_lease_are_the_steps_choose_k_would_have_made():
     assert state1 == state0
     assert taken > 400  # many quiet steps came from a lease: not a test of choose_k alone
     assert any(k for k, _ in log1) and state1["ruled_out"]  # it speculated somewhere, ruled a bucket out
+
+
+def test_a_ruled_out_bucket_reports_one_decode_step_in_sixty_four():
+    """Where a bucket is ruled out its windows are not kept, and a report feeds only the
+    target's cost model and the bucket's time: one decode step in ``ruled_out_report_every``
+    (64) is reported there, against one in ``quiet_report_every`` (8) for a held k = 0; each
+    reported step and the one that observes it cost ~15-25 us more after a forward."""
+    ctl = _profiled(_linear_rows_profile(4, 1.0, 0.05, 3))
+    _run(ctl, 4, lambda k: (4 * (1 + 0.9 * k), 1.1e-3 * (1 + k)), 100)
+    assert ctl.bucket(4) in ctl.ruled_out
+    reported = 0
+    for _ in range(640):
+        assert ctl.choose_k(4) == 0
+        if ctl.last_round is not None:
+            reported += 1
+            ctl.observe_throughput(4, 1.1e-3, *ctl.last_round)
+    assert 9 <= reported <= 11

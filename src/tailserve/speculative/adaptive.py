@@ -529,6 +529,11 @@ class AdaptiveSpeculation:
     # reports cost ~15 us a step on 2 AVX2 cores beside a ~1.1 ms batch-1 step: what kept an
     # adaptive engine that does not draft 1-2% under speculation off (docs/speculative.md).
     quiet_report_every: int = 8
+    # ... and one in this many where no k fits the rows or the bucket is ruled out: there a
+    # report feeds only the target's cost model and the bucket's time (its windows are not
+    # kept), and the reported step and the one that observes it cost ~15-25 us more than a
+    # quiet one after a forward (2 AVX2 cores, batch 1): ~4 us a step at one in eight.
+    ruled_out_report_every: int = 64
     _quiet_count: int = 0
     _unreported: bool = False  # the choice just made is a quiet step's, left unreported
     # Per bucket: [steps, tokens] of its quiet steps left unreported since its last decode
@@ -656,7 +661,7 @@ class AdaptiveSpeculation:
             return None
         return self._last_b, self.last_k, self._prev_k == self.last_k, self._greedy
 
-    def _quiet(self, bkt: int | None, num_decoding: int, decode_only: bool) -> bool:
+    def _quiet(self, bkt: int | None, num_decoding: int, decode_only: bool, every: int | None = None) -> bool:
         """Whether a step of k = 0 that stands goes unreported (all but one in
         ``quiet_report_every``). Never a step with prompt tokens (admissions are measured
         apart, each one), nor while an exploration is costed or the last step reported had
@@ -665,7 +670,7 @@ class AdaptiveSpeculation:
         if not decode_only or self._probe is not None or self._reported_k:
             return False
         self._quiet_count += 1
-        if self._quiet_count % self.quiet_report_every == 0:
+        if self._quiet_count % (every or self.quiet_report_every) == 0:
             return False
         self.num_quiet_steps += 1
         if bkt is not None:
@@ -677,11 +682,13 @@ class AdaptiveSpeculation:
                 skipped[1] += num_decoding  # k = 0, decode only: one token a request
         return True
 
-    def _grant_lease(self, num_decoding: int, greedy: bool, bkt: int | None, due_in: int | None = None) -> None:
+    def _grant_lease(self, num_decoding: int, greedy: bool, bkt: int | None, due_in: int | None = None,
+                     every: int | None = None) -> None:
         """After a quiet step: how many more the same branch would make quiet (``_lease``),
-        up to the next report (and, for a held decision, the step before its bucket's next
-        exploration is due: ``due_in``)."""
-        left = self.quiet_report_every - 1 - self._quiet_count % self.quiet_report_every
+        up to the next report (one in ``every`` quiet steps; and, for a held decision, the
+        step before its bucket's next exploration is due: ``due_in``)."""
+        every = every or self.quiet_report_every
+        left = every - 1 - self._quiet_count % every
         if due_in is not None:
             left = min(left, due_in)
         self._lease = [num_decoding, greedy, bkt, left, 0, due_in is not None] if left > 0 else None
@@ -861,9 +868,10 @@ class AdaptiveSpeculation:
         if cap == 0:
             # No k fits the rows: nothing to explore either, and no report is read but the
             # cost model's.
-            quiet = self._quiet(None, num_decoding, decode_only)
+            every = self.ruled_out_report_every
+            quiet = self._quiet(None, num_decoding, decode_only, every)
             if quiet:
-                self._grant_lease(num_decoding, greedy, None)
+                self._grant_lease(num_decoding, greedy, None, every=every)
             return self._set(0, num_decoding, quiet)
         if self._explore_left > 0:
             if bkt == self._explore_bucket:
@@ -877,9 +885,10 @@ class AdaptiveSpeculation:
             # Ruled out until rounds verified elsewhere (other batch sizes) move the acceptance
             # the bound assumes: weighed again once every 16 of them, not every step.
             if self._rounds_verified < self.ruled_out[bkt] + 16:
-                quiet = self._quiet(bkt, num_decoding, decode_only)
+                every = self.ruled_out_report_every
+                quiet = self._quiet(bkt, num_decoding, decode_only, every)
                 if quiet:
-                    self._grant_lease(num_decoding, greedy, bkt)
+                    self._grant_lease(num_decoding, greedy, bkt, every=every)
                 return self._set(0, num_decoding, quiet)
             if self._cannot_pay(bkt, num_decoding):
                 self.ruled_out[bkt] = self._rounds_verified
