@@ -544,12 +544,12 @@ class AdaptiveSpeculation:
     # branch which made this one quiet would make quiet too, taken by ``take_quiet_step``
     # without a decision and counted at the next one (``_settle``). What those branches read
     # changes only by a report, a verified round or the step count, so a lease ends at the
-    # next report due (``quiet_report_every``) or exploration due, and any observation that
-    # could change those branches ends it (a verified round, a report of drafts or of an
-    # exploration, a window measured for the first time). Measured after a forward (2 AVX2
-    # cores, built-in pair, batch 1, an engine whose draft model never drafted): a quiet
-    # decision ~4 us and reserving around it as much again, ~12 us a step beside an engine
-    # without a draft model; ~9 us with leases. Fields: [decoding requests, greedy, bucket
+    # next report due (``quiet_report_every`` or ``ruled_out_report_every``) or exploration
+    # due, and any observation that could change those branches ends it (a verified round, a
+    # report of drafts or of an exploration, a window measured for the first time). Measured
+    # after a forward (2 AVX2 cores, built-in pair, batch 1, an engine whose draft model never
+    # drafted): a quiet decision ~4 us and reserving around it as much again, ~12 us a step
+    # beside an engine without a draft model; ~9 us with leases. Fields: [decoding requests, greedy, bucket
     # (None: no k fits), steps left, steps taken, held (counts toward the bucket's next
     # exploration)].
     _lease: list | None = None
@@ -662,8 +662,8 @@ class AdaptiveSpeculation:
         return self._last_b, self.last_k, self._prev_k == self.last_k, self._greedy
 
     def _quiet(self, bkt: int | None, num_decoding: int, decode_only: bool, every: int | None = None) -> bool:
-        """Whether a step of k = 0 that stands goes unreported (all but one in
-        ``quiet_report_every``). Never a step with prompt tokens (admissions are measured
+        """Whether a step of k = 0 that stands goes unreported (all but one in ``every``,
+        default ``quiet_report_every``). Never a step with prompt tokens (admissions are measured
         apart, each one), nor while an exploration is costed or the last step reported had
         drafts (the first off steps after drafts are told apart by their reports).
         ``bkt``: the bucket whose reports stand for the step (None: none read them)."""
