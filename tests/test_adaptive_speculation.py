@@ -878,7 +878,8 @@ def _controller_state(ctl: AdaptiveSpeculation) -> dict:
             "since": ctl._since_explore, "held": ctl._held, "ruled_out": ctl.ruled_out, "backoff": ctl._backoff,
             "decided": ctl._decided, "k": (ctl.last_k, ctl._prev_k, ctl._last_b, ctl._unreported),
             "windows": {key: (len(w.steps), w.run) for key, w in ctl.rates.items()},
-            "tokens": {b: (a.tokens, a.admissions) for b, a in ctl._admissions.items()}}
+            "tokens": {b: (a.tokens, a.admissions) for b, a in ctl._admissions.items()},
+            "rechecks": (ctl.num_rechecks, ctl._recheck_every, ctl._ruled_at)}
 
 
 def test_quiet_steps_under_a_lease_are_the_steps_choose_k_would_have_made():
@@ -891,11 +892,14 @@ def test_quiet_steps_under_a_lease_are_the_steps_choose_k_would_have_made():
     profile = VerifyCostProfile(tuple((b, k, 1e-3 * (1 + (k if b == 4 else 0.1 * k))) for b in (1, 4)
                                       for k in range(4)),
                                 tuple((b, k, 1e-4 * k) for b in (1, 4) for k in range(1, 4)))
-    phases = [(2, 300, pays_not), (4, 400, pays_not), (1, 300, pays), (2, 500, pays_not), (1, 100, pays)]
+    hard = lambda k: (1, 1e-3 * (1 + 0.1 * k), 0)  # noqa: E731 (no draft accepted: ruled out, rechecked)
+    phases = [(2, 300, pays_not), (4, 400, pays_not), (1, 300, pays), (2, 500, pays_not), (1, 100, pays),
+              (1, 1200, hard)]
     runs = []
     for leases in (False, True):
         ctl = AdaptiveSpeculation(k_max=3, explore_every=10, max_backoff=2, explore_budget=0.3,
-                                  quiet_report_every=8, cost_profile=profile)
+                                  quiet_report_every=8, cost_profile=profile, ruled_out_recheck_steps=60,
+                                  ceiling_prior_rounds=2.0)
         _feed_costs(ctl, (1e-3, 0.0), (1e-4, 0.0))
         log, taken = _drive_with_leases(ctl, phases, leases)
         runs.append((log, taken, _controller_state(ctl)))
@@ -904,6 +908,7 @@ def test_quiet_steps_under_a_lease_are_the_steps_choose_k_would_have_made():
     assert state1 == state0
     assert taken > 400  # many quiet steps came from a lease: not a test of choose_k alone
     assert any(k for k, _ in log1) and state1["ruled_out"]  # it speculated somewhere, ruled a bucket out
+    assert state1["rechecks"][0] > 0  # and weighed a ruled-out bucket again by drafting
 
 
 def test_a_ruled_out_bucket_reports_one_decode_step_in_sixty_four():
@@ -921,3 +926,42 @@ def test_a_ruled_out_bucket_reports_one_decode_step_in_sixty_four():
             reported += 1
             ctl.observe_throughput(4, 1.1e-3, *ctl.last_round)
     assert 9 <= reported <= 11
+
+
+def _one_bucket(recheck_steps: int, phases) -> tuple[AdaptiveSpeculation, list[int]]:
+    """Batch 1 alone (greedy, verification nearly free by the profile): the ks of every step."""
+    profile = _linear_rows_profile(1, 0.1, 0.05, 3)
+    ctl = AdaptiveSpeculation(k_max=3, explore_every=24, cost_profile=profile, ruled_out_recheck_steps=recheck_steps,
+                              ceiling_prior_rounds=2.0)  # the bound soon takes the measured acceptance
+    _feed_costs(ctl, (1e-3, 0.0), (1e-4, 0.0))
+    log, _ = _drive_with_leases(ctl, [(1, n, m) for n, m in phases], leases=True)
+    return ctl, [k for k, _ in log]
+
+
+def test_a_bucket_ruled_out_on_hard_text_is_weighed_again_by_drafting():
+    """In a workload that runs in one bucket no round is verified elsewhere, so a bucket ruled
+    out on the acceptance of hard text stayed off for good when the text turned easy (greedy
+    batch 1 on the built-in pair: 1.07-1.12x of off in some runs, ruled out for good in
+    others). Now it drafts again after ``ruled_out_recheck_steps``, and speculates once the
+    drafts are accepted; with rechecks put off past the run, it stays off as before."""
+    hard = lambda k: (1, 1e-3 * (1 + 0.1 * k), 0)  # noqa: E731 (nothing accepted)
+    easy = lambda k: (1 + k, 1e-3 * (1 + 0.1 * k), k)  # noqa: E731 (everything accepted)
+    ctl, ks = _one_bucket(500, [(600, hard), (3000, easy)])
+    assert ctl.num_rechecks >= 1
+    assert sum(k > 0 for k in ks[-1000:]) > 900  # speculating on the easy text
+    ctl, ks = _one_bucket(10**9, [(600, hard), (3000, easy)])
+    assert ctl.bucket(1, False) in ctl.ruled_out and not any(ks[-1000:])  # the old way: off for good
+
+
+def test_rechecks_of_a_bucket_that_stays_hard_back_off_and_one_no_text_could_pay_is_never_rechecked():
+    """Each recheck that rules the bucket out again doubles the wait for the next (so their
+    cost shrinks as a share of the run); a bucket where even an acceptance of
+    ``recheck_acceptance`` could not pay (verification as dear as a step per draft) is never
+    drafted again."""
+    hard = lambda k: (1, 1e-3 * (1 + 0.1 * k), 0)  # noqa: E731
+    ctl, ks = _one_bucket(200, [(6000, hard)])
+    assert 2 <= ctl.num_rechecks <= 6  # ~200, 400, 800, 1600, 3200 steps apart: not 30
+    assert sum(k > 0 for k in ks) < 0.02 * len(ks)
+    ctl = _profiled(_linear_rows_profile(4, 1.0, 0.05, 3), ruled_out_recheck_steps=50)
+    ks, _ = _run(ctl, 4, lambda k: (4 * (1 + 0.9 * k), 1.1e-3 * (1 + k)), 2000)
+    assert ctl.bucket(4) in ctl.ruled_out and ctl.num_rechecks == 0 and not any(ks)

@@ -501,6 +501,19 @@ class AdaptiveSpeculation:
     # first 28 read 0.58 where other runs read 0.8-0.88 (the acceptance varies with the text).
     ceiling_prior_rounds: float = 16.0
     ruled_out: dict[int, int] = field(default_factory=dict)  # bucket -> rounds verified at the verdict
+    # A bucket ruled out on the acceptance measured so far (one that could pay at
+    # ``recheck_acceptance``) is also weighed again by drafting, after
+    # ``ruled_out_recheck_steps`` of the controller's steps, doubling each time it is ruled
+    # out again (up to max_backoff x explore_every) and never sooner than its last
+    # exploration's cost allows (``_min_interval``): only drafting measures the acceptance
+    # that ruled it out, and in a workload that runs in one bucket no round is verified
+    # elsewhere. Greedy batch 1 on the built-in pair (2 AVX2 cores) ran 1.07-1.12x of off in
+    # some runs and was ruled out for good after a stretch of hard text in others (0.98-1.00x).
+    ruled_out_recheck_steps: int = 1536
+    recheck_acceptance: float = 0.95
+    _ruled_at: dict = field(default_factory=dict)  # per bucket: the step count when ruled out
+    _recheck_every: dict = field(default_factory=dict)  # per bucket: steps from then to its recheck
+    num_rechecks: int = 0  # ruled-out buckets weighed again by drafting (tests, docs)
     # Per-token acceptance of greedy (True) and sampled (False) requests' rounds, all positions
     # pooled, for the bound alone: a greedy request accepts more (0.76-0.85 against ~0.68 at
     # temperature 0.8, built-in pair), and pooled with greedy rounds a sampled bucket's bound
@@ -683,15 +696,16 @@ class AdaptiveSpeculation:
         return True
 
     def _grant_lease(self, num_decoding: int, greedy: bool, bkt: int | None, due_in: int | None = None,
-                     every: int | None = None) -> None:
+                     every: int | None = None, held: bool = False) -> None:
         """After a quiet step: how many more the same branch would make quiet (``_lease``),
-        up to the next report (one in ``every`` quiet steps; and, for a held decision, the
-        step before its bucket's next exploration is due: ``due_in``)."""
+        up to the next report (one in ``every`` quiet steps) and the step before its bucket's
+        next exploration or recheck is due (``due_in``); ``held``: a held decision's, whose
+        steps count toward its bucket's next exploration."""
         every = every or self.quiet_report_every
         left = every - 1 - self._quiet_count % every
         if due_in is not None:
             left = min(left, due_in)
-        self._lease = [num_decoding, greedy, bkt, left, 0, due_in is not None] if left > 0 else None
+        self._lease = [num_decoding, greedy, bkt, left, 0, held] if left > 0 else None
 
     def take_quiet_step(self, num_decoding: int, greedy: bool) -> bool:
         """Whether a decode-only step of ``num_decoding`` requests (all greedy or not) is one
@@ -884,14 +898,23 @@ class AdaptiveSpeculation:
         if bkt in self.ruled_out:
             # Ruled out until rounds verified elsewhere (other batch sizes) move the acceptance
             # the bound assumes: weighed again once every 16 of them, not every step.
+            recheck_at = self._recheck_at(bkt)
+            if recheck_at is not None and self._steps >= recheck_at:
+                # Weighed again by drafting: the bound's best k at the acceptance it could pay
+                # at, for one exploration; the decision after it weighs the bound afresh.
+                del self.ruled_out[bkt]
+                self._held.pop(bkt, None)
+                self.num_rechecks += 1
+                return self._explore(max(min(self._bound_k.get(bkt, 1), cap), 1), bkt, num_decoding)
             if self._rounds_verified < self.ruled_out[bkt] + 16:
                 every = self.ruled_out_report_every
                 quiet = self._quiet(bkt, num_decoding, decode_only, every)
                 if quiet:
-                    self._grant_lease(num_decoding, greedy, bkt, every=every)
+                    self._grant_lease(num_decoding, greedy, bkt, None if recheck_at is None
+                                      else recheck_at - self._steps - 1, every=every)
                 return self._set(0, num_decoding, quiet)
             if self._cannot_pay(bkt, num_decoding):
-                self.ruled_out[bkt] = self._rounds_verified
+                self._rule_out(bkt, num_decoding)
                 return self._set(0, num_decoding)
             del self.ruled_out[bkt]
             self._held.pop(bkt, None)
@@ -909,7 +932,7 @@ class AdaptiveSpeculation:
             quiet = held[0] == 0 and self._quiet(bkt, num_decoding, decode_only)
             if quiet:
                 interval = max(self.explore_every * self._backoff.get(bkt, 1), self._min_interval.get(bkt, 0))
-                self._grant_lease(num_decoding, greedy, bkt, interval - since - 1)
+                self._grant_lease(num_decoding, greedy, bkt, interval - since - 1, held=True)
             else:
                 # A decision holds for decide_every *reported* steps: k = 0 decided afresh on
                 # the same windows (a quiet step adds nothing to them) decides the same, and a
@@ -920,7 +943,7 @@ class AdaptiveSpeculation:
         if off is None or not self.target_cost.ready:
             return self._explore(0, bkt, num_decoding)  # measured first: speculation off
         if self._cannot_pay(bkt, num_decoding):
-            self.ruled_out[bkt] = self._rounds_verified
+            self._rule_out(bkt, num_decoding)
             self._decided[bkt] = 0
             return self._set(0, num_decoding)
         if not self.draft_cost.ready:
@@ -988,7 +1011,26 @@ class AdaptiveSpeculation:
         self._held[bkt] = [k, self.decide_every - 1]
         return self._set(k, num_decoding)
 
-    def _cannot_pay(self, bkt: int, num_decoding: int) -> bool:
+    def _rule_out(self, bkt: int, num_decoding: int) -> None:
+        """Rule ``bkt`` out (``_cannot_pay`` said so), with a recheck by drafting where some
+        acceptance, ``recheck_acceptance``, could still pay there (see ``ruled_out_recheck_steps``)."""
+        self.ruled_out[bkt] = self._rounds_verified
+        self._ruled_at[bkt] = self._steps
+        if self._cannot_pay(bkt, num_decoding, self.recheck_acceptance):
+            self._recheck_every.pop(bkt, None)  # no text would make it pay: never weighed by drafting
+            return
+        prev = self._recheck_every.get(bkt)
+        self._recheck_every[bkt] = self.ruled_out_recheck_steps if prev is None else \
+            min(2 * prev, self.max_backoff * self.explore_every)
+
+    def _recheck_at(self, bkt: int) -> int | None:
+        """The step count at which ruled-out ``bkt`` is weighed again by drafting (None: never)."""
+        every = self._recheck_every.get(bkt)
+        if every is None:
+            return None
+        return self._ruled_at.get(bkt, 0) + max(every, self._min_interval.get(bkt, 0))
+
+    def _cannot_pay(self, bkt: int, num_decoding: int, acceptance: float | None = None) -> bool:
         """Whether the start-up profile says no k can beat off by ``switch_on_margin`` in this
         bucket at an optimistic acceptance (``ceiling_acceptance_prior`` pooled with the rounds
         verified for the bucket's batch class, greedy or sampled; the bucket's largest batch
@@ -1001,13 +1043,15 @@ class AdaptiveSpeculation:
         was most of a 5-7% loss to speculation off. The bound is the policy's own switch-on
         rule at a better acceptance than measured: a bucket it rules out would not have
         switched on. Goodput is no different: a step that emits no more tokens a second
-        keeps no more requests within a TPOT bound."""
+        keeps no more requests within a TPOT bound. ``acceptance``: weigh at this one instead
+        (``_rule_out`` asks whether any text could make the bucket pay)."""
         profile = self.cost_profile
         if profile is None:
             return False
         top = 1 << max(num_decoding - 1, 0).bit_length()  # the bucket's largest batch size
-        acceptance = self._pooled([self._class_acc[self._greedy]], self.ceiling_acceptance_prior,
-                                  self.ceiling_prior_rounds)
+        if acceptance is None:
+            acceptance = self._pooled([self._class_acc[self._greedy]], self.ceiling_acceptance_prior,
+                                      self.ceiling_prior_rounds)
         off_s = self.rates[(bkt, 0)].per_step()[1]
         forward_s = min(self.target_cost.predict(num_decoding), off_s)
         # Every k > 0 measured here costs what it measured, and tells the others' cost.
@@ -1016,7 +1060,7 @@ class AdaptiveSpeculation:
         best = profile.best_k(top, off_s, forward_s, acceptance, self._greedy, measured)
         if best is None:
             return False
-        self._bound_k[bkt] = best[0]
+        self._bound_k[bkt] = best[0]  # at a given acceptance: the k a recheck probes
         return best[1] < 1.0 + self.switch_on_margin
 
     def goodput(self, num_decoding: int, k: int, state: SloState) -> float | None:
