@@ -8,7 +8,9 @@ round, since the server itself drifts 5-20% between runs here). Per run: output 
 TTFT P50 from each tool's own result JSON, and the client's CPU seconds per 1,000 streamed
 tokens counted over the load only: the client's and the server's CPU times are read from
 /proc every 50 ms, and the load is the stretch in which the server burns more than 0.3 of a
-core (start-up imports of either client are outside it).
+core (start-up imports of either client are outside it). The ratios come two ways: of the two
+tools' medians, and the median over rounds of each round's ratio with a 90% bootstrap interval
+(the two loads of a round run back to back, so the server's drift between rounds cancels).
 
     python benchmarks/bench_client_cpu.py --vllm-python /tmp/vllm-venv/bin/python [--rounds 3]
 
@@ -142,13 +144,39 @@ def main() -> None:
         print(f"  {name:18s} {m['output_throughput']:7.1f} tok/s  TTFT P50 {m['median_ttft_ms']:7.1f} ms  "
               f"(server's mean {m['server_mean_ttft_ms']:.1f} ms)  "
               f"{m['cpu_ms_per_1k_tokens']:.0f} ms CPU per 1k tokens")
+    paired: dict[str, list[float]] = {}
     if "vllm bench serve" in med:
         t, v = med["tailserve bench"], med["vllm bench serve"]
         print(f"  tailserve / vllm: throughput {t['output_throughput'] / v['output_throughput']:.3f}, "
               f"TTFT P50 {t['median_ttft_ms'] / v['median_ttft_ms']:.3f}, "
               f"CPU per token {t['cpu_ms_per_1k_tokens'] / v['cpu_ms_per_1k_tokens']:.2f}")
+        paired = paired_ratios(rows["tailserve bench"], rows["vllm bench serve"])
+        print("  round by round (the two loads of a round run back to back, so the server's drift between\n"
+              "  rounds cancels): median of the per-round ratios [90% bootstrap interval over the rounds]:")
+        for key, label in (("output_throughput", "throughput"), ("median_ttft_ms", "TTFT P50"),
+                           ("cpu_ms_per_1k_tokens", "CPU per token")):
+            point, lo, hi = paired[key]
+            print(f"    {label:14s} {point:.3f} [{lo:.3f}, {hi:.3f}]")
     if args.out:
-        pathlib.Path(args.out).write_text(json.dumps({"rounds": rows, "medians": med}, indent=1))
+        pathlib.Path(args.out).write_text(json.dumps({"rounds": rows, "medians": med, "paired": paired}, indent=1))
+
+
+def paired_ratios(ours: list[dict[str, float]], theirs: list[dict[str, float]], draws: int = 2000,
+                  seed: int = 0) -> dict[str, list[float]]:
+    """Per figure, the median over rounds of ours / theirs within each round, with a 90% bootstrap
+    interval (rounds resampled). A ratio of the two tools' medians mixes rounds of a fast and a
+    slow server (this one drifts 5-20% between rounds); a round's two loads run back to back."""
+    import random
+
+    rng = random.Random(seed)
+    out = {}
+    for key in ours[0]:
+        r = [a[key] / b[key] for a, b in zip(ours, theirs) if b[key]]
+        if not r:
+            continue
+        boot = sorted(statistics.median(rng.choice(r) for _ in r) for _ in range(draws))
+        out[key] = [statistics.median(r), boot[int(0.05 * draws)], boot[int(0.95 * draws) - 1]]
+    return out
 
 
 if __name__ == "__main__":

@@ -166,6 +166,99 @@ def test_errors_are_counted_by_kind_and_do_not_stop_the_run():
     assert all(r for r, q in zip(res["errors"], res["requests"]) if q["error_kind"])
 
 
+class _ClosingServer:
+    """A raw HTTP/1.1 server on 127.0.0.1 that streams each completion (chunked SSE, 3 tokens)
+    and then closes the connection without a ``Connection: close``, as llama-server
+    (llama.cpp b1-0c1e570) does; with ``drop`` it closes every connection on a completion
+    request without answering. ``/v1/models`` answers (other GETs 404) and keeps the connection."""
+
+    def __init__(self, drop: bool = False) -> None:
+        import threading
+
+        self.drop, self.port = drop, free_port()
+        self.streamed: list[bytes] = []  # the X-Request-Id of each completion it answered
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        async def serve() -> None:
+            self.server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+            started.set()
+
+        self.thread = threading.Thread(target=lambda: (self.loop.run_until_complete(serve()),
+                                                       self.loop.run_forever()), daemon=True)
+        self.thread.start()
+        assert started.wait(10)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                if head.startswith(b"GET /v1/models"):
+                    body = json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}]}).encode()
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                                 % len(body) + body)
+                    await writer.drain()
+                    continue
+                if head.startswith(b"GET "):  # /metrics and the like: none here
+                    writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+                    await writer.drain()
+                    continue
+                if self.drop:
+                    break
+                self.streamed.append(next((line.split(b":", 1)[1].strip() for line in head.split(b"\r\n")
+                                           if line.lower().startswith(b"x-request-id:")), b""))
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+                             b"Keep-Alive: timeout=5, max=100\r\n\r\n")
+                for i in range(3):
+                    event = b"data: " + json.dumps({"choices": [{"index": 0, "text": f" t{i}"}]}).encode() + b"\n\n"
+                    writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                    await writer.drain()
+                    await asyncio.sleep(0.002)
+                writer.write(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+                await writer.drain()
+                # Then close, without having said so, a little later: the client has taken the
+                # connection for its next request by then (the race, made certain).
+                await asyncio.sleep(0.05)
+                break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    def __enter__(self) -> _ClosingServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.loop.call_soon_threadsafe(self.server.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def test_a_kept_alive_connection_the_server_closed_is_resent_on_a_new_one():
+    # One request at a time: each next request goes out on the connection the server has just
+    # closed (the close is not read yet); without the resend every other request failed.
+    with _ClosingServer() as srv:
+        res = _run(srv.url, _requests(12, out=3), request_rate=math.inf, max_concurrency=1)
+    assert res["failed"] == 0 and res["completed"] == 12, res["errors"]
+    assert all(q["num_chunks"] == 3 for q in res["requests"])
+    resends = [q["resends"] for q in res["requests"]]
+    assert res["client"]["resends"] == sum(resends) > 0, resends
+    # A resend is of a request the server never read: none was answered twice.
+    assert len(srv.streamed) == len(set(srv.streamed)) >= 12, srv.streamed
+    # The failed tries' time is the server's closing, not the client's lag.
+    assert all(q["send_lag_ms"] < 50 for q in res["requests"] if q["resends"])
+
+
+def test_a_new_connection_closed_without_an_answer_is_a_disconnect_not_resent():
+    with _ClosingServer(drop=True) as srv:
+        res = _run(srv.url, _requests(4, out=3), request_rate=math.inf, max_concurrency=1)
+    assert res["failed"] == 4 and res["errors_by_kind"]["disconnect"] == 4, res["errors_by_kind"]
+    assert res["client"]["resends"] == 0
+
+
 def test_concurrency_cap_holds_and_slot_waits_are_not_client_lag():
     with FakeServer("--itl-ms", "10") as srv:
         res = _run(srv.url, _requests(10, out=5), request_rate=math.inf, max_concurrency=2)

@@ -22,6 +22,15 @@ prefill, decode, end-to-end), vLLM's ``metrics`` (``--enable-per-request-metrics
 TTFT from scheduling, generation; metrics/wire.py), llama.cpp's ``timings`` (prompt and
 predicted milliseconds), or a W3C ``Server-Timing`` header. Servers that send none leave the
 request unattributable.
+
+A request that fails on a kept-alive connection before any response came back is sent again
+on a new connection (``resends``, at most ``MAX_RESENDS``): the server had closed that
+connection while it sat in the pool, and the client had not yet read the close. Go's and
+urllib3's clients do the same, and httpcore checks an idle connection for a close before it
+reuses one; aiohttp does neither. llama-server (llama.cpp b1-0c1e570) closes the connection
+after every streamed response without a ``Connection: close``, so without this every other
+request failed on one connection (docs/bench.md). A failure on a new connection, or after
+the response status, is never resent.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import httpx
 from tailserve.metrics.wire import WireTiming
 from tailserve.model.tokenizer import Tokenizer
 
+MAX_RESENDS = 3  # tries past the first on a new connection, each after a reused one was found closed
 ERROR_KINDS = ("http_4xx", "http_5xx", "timeout", "connect", "disconnect", "malformed_stream", "server_error")
 
 
@@ -113,6 +123,8 @@ class RequestRecord:
     server: ServerTiming | None = None
     error_kind: str | None = None
     error: str = ""
+    resends: int = 0  # sent again after a kept-alive connection was found closed (MAX_RESENDS)
+    resend_s: float = 0.0  # time in those failed tries: the server's closing, not the client's lag
     # The W3C trace context sent with it (a server that traces continues this trace).
     traceparent: str = field(default_factory=lambda: new_traceparent())
 
@@ -170,7 +182,7 @@ class RequestRecord:
             return None
         woke = self.dispatch_s if self.dispatch_s is not None else self.intended_s
         ready = self.slot_s if self.slot_s is not None else woke
-        return max(0.0, woke - self.intended_s) + max(0.0, self.send_s - ready)
+        return max(0.0, woke - self.intended_s) + max(0.0, self.send_s - ready - self.resend_s)
 
     @property
     def client_queue_s(self) -> float:
@@ -194,7 +206,8 @@ class RequestRecord:
             "e2el_ms": _ms(self.e2el_s), "send_lag_ms": _ms(self.send_lag_s),
             "client_queue_ms": self.client_queue_s * 1e3, "num_chunks": len(self.chunk_s),
             "itl_ms": [x * 1e3 for x in self.itl_s], "status": self.status, "error_kind": self.error_kind,
-            "error": self.error, "traceparent": self.traceparent,
+            "error": self.error, "resends": self.resends,
+            "resend_ms": self.resend_s * 1e3, "traceparent": self.traceparent,
             "server_timing": self.server.as_dict() if self.server else None,
         }
 
@@ -262,6 +275,7 @@ class BenchClient:
         if not http2:
             trace = aiohttp.TraceConfig()
             trace.on_request_headers_sent.append(_headers_sent)
+            trace.on_connection_reuseconn.append(_connection_reused)
             # --timeout is per request, whole: a per-read timeout would re-arm a timer on every
             # chunk (a tenth of the client's CPU, measured).
             self.session = aiohttp.ClientSession(
@@ -278,16 +292,24 @@ class BenchClient:
 
 @dataclass
 class _Sent:
-    """What aiohttp's headers-sent trace stamps: the record, against the run's clock."""
+    """What aiohttp's traces fill in for one try: the record's headers-sent stamp (against the
+    run's clock), and whether the try went out on a kept-alive connection from the pool."""
 
     rec: RequestRecord
     t0: float
+    reused: bool = False
 
 
 async def _headers_sent(session: aiohttp.ClientSession, ctx: Any, params: Any) -> None:
     sent = ctx.trace_request_ctx
     if isinstance(sent, _Sent) and sent.rec.send_s is None:
         sent.rec.send_s = _now(sent.t0)
+
+
+async def _connection_reused(session: aiohttp.ClientSession, ctx: Any, params: Any) -> None:
+    sent = ctx.trace_request_ctx
+    if isinstance(sent, _Sent):
+        sent.reused = True
 
 
 class _EventReader:
@@ -376,7 +398,27 @@ _SERVER_KEYS = frozenset(("timing", "metrics", "timings", "usage"))
 
 async def _stream_aiohttp(session: aiohttp.ClientSession, spec: RequestSpec, rec: RequestRecord, t0: float,
                           headers: dict[str, str], reader: _EventReader) -> ServerTiming | None:
-    async with session.post(spec.url, json=spec.body(), headers=headers, trace_request_ctx=_Sent(rec, t0)) as resp:
+    for _ in range(MAX_RESENDS):
+        sent = _Sent(rec, t0)
+        tried = _now(t0)
+        try:
+            return await _stream_aiohttp_once(session, spec, rec, headers, reader, sent)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientConnectionResetError):
+            # Only a kept-alive connection that failed before any response: the server closed
+            # it in the pool (see the module's docstring). A refused connect is a new one.
+            if not sent.reused or rec.status is not None:
+                raise
+        rec.resends += 1
+        rec.resend_s += _now(t0) - tried
+        rec.send_s = None  # stamped again by the try that goes out
+        await asyncio.sleep(0)  # let the loop read other pooled connections' closes first
+    return await _stream_aiohttp_once(session, spec, rec, headers, reader, _Sent(rec, t0))
+
+
+async def _stream_aiohttp_once(session: aiohttp.ClientSession, spec: RequestSpec, rec: RequestRecord,
+                               headers: dict[str, str], reader: _EventReader, sent: _Sent) -> ServerTiming | None:
+    t0 = sent.t0
+    async with session.post(spec.url, json=spec.body(), headers=headers, trace_request_ctx=sent) as resp:
         rec.headers_s = _now(t0)
         rec.status = resp.status
         if rec.send_s is None:

@@ -83,6 +83,11 @@ def render_table(results: Sequence[dict[str, Any]], title: str = "tailserve benc
                 console.print(f"{r.get('label')}: probes ({pr['completed']} of {pr['sent']} at {pr['rate']:g}/s, "
                               "1 token each): TTFT " + ", ".join(f"{k.upper()} {v:.1f}" for k, v in q.items()) + " ms",
                               soft_wrap=True, markup=False)
+            resends = (r.get("client") or {}).get("resends")
+            if resends:
+                console.print(f"{r.get('label')}: the server closed {resends} kept-alive connection(s) without a "
+                              "'Connection: close'; the requests on them were sent again on new connections",
+                              soft_wrap=True, markup=False)
             errs = {k: v for k, v in r.get("errors_by_kind", {}).items() if v}
             if errs:
                 console.print(f"{r.get('label')}: errors: " + ", ".join(f"{k} {v}" for k, v in errs.items()),

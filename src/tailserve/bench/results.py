@@ -329,6 +329,9 @@ def build_result(run: LoadRun, percentile_metrics: Sequence[str], percentiles: S
         "p99_send_lag_ms": lag_p99 * 1e3 if lag_p99 is not None else None,
         "max_send_lag_ms": float(np.max(lags)) * 1e3 if lags else None,
         "saturated": bool(lag_p99 is not None and lag_p99 > SATURATED_SEND_LAG_S),
+        # Requests sent again because the server had closed their kept-alive connection in
+        # the pool without a ``Connection: close`` (bench/client.py).
+        "resends": sum(r.resends for r in records),
     }
     result["server_metrics_available"] = run.counters.available
     joined = join_server_timings(records)
