@@ -20,6 +20,12 @@ measured at a round's start and a load ten minutes later read 1.14x and 1.46x in
         --llama-server /path/to/llama.cpp/build/bin/llama-server [--rounds 1] [--json out.json]
         [--with-thread-loop]
 
+--client tailserve runs every load through `tailserve bench` instead (same load and flags; no
+vLLM needed). llama-server (b1-0c1e570) closes the connection after every streamed response
+without a `Connection: close`; `vllm bench serve` then fails some requests on the closed
+connections (1-10 of 64 a load here), which also reshapes the load, while `tailserve bench`
+sends such a request again on a new connection (docs/bench.md). Each load's failures are printed.
+
 --with-thread-loop also serves with `--engine-loop thread` (the engine loop on its own thread,
 outputs handed to the event loop's thread each step), interleaved with the default.
 
@@ -137,17 +143,21 @@ class LlamaServer:
         self.log.close()
 
 
-def vllm_load(python: str, url: str, tokenizer: pathlib.Path, prompts: int, concurrency: int, seed: int,
+def vllm_load(python: str | None, url: str, tokenizer: pathlib.Path, prompts: int, concurrency: int, seed: int,
               out: pathlib.Path, name: str) -> dict:
-    cmd = [python, str(VLLM_CLI), "bench", "serve", "--backend", "openai", "--base-url", url, "--model", "m",
-           "--tokenizer", str(tokenizer), "--dataset-name", "random", "--random-input-len", "128",
-           "--random-output-len", "128", "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
-           "--ignore-eos", "--temperature", "0", "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
-           "--save-result", "--result-dir", str(out), "--result-filename", name]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    """One load: `vllm bench serve` in ``python``'s venv, or `tailserve bench` where ``python`` is None."""
+    load = ["--model", "m", "--tokenizer", str(tokenizer), "--dataset-name", "random", "--random-input-len", "128",
+            "--random-output-len", "128", "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
+            "--ignore-eos", "--temperature", "0", "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
+            "--save-result", "--result-dir", str(out), "--result-filename", name]
+    if python is None:
+        cmd, env = [str(pathlib.Path(sys.executable).with_name("tailserve")), "bench", "--url", url, *load], None
+    else:
+        cmd = [python, str(VLLM_CLI), "bench", "serve", "--backend", "openai", "--base-url", url, *load]
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
-        raise RuntimeError(f"vllm bench serve failed: {proc.stderr.strip()[-1500:]}")
+        raise RuntimeError(f"{' '.join(cmd[1:3])} failed: {proc.stderr.strip()[-1500:]}")
     r = json.loads((out / name).read_text())
     return {"out_tok_s": r["output_throughput"], "ttft_p50_ms": r["median_ttft_ms"],
             "tpot_p50_ms": r["median_tpot_ms"], "completed": r["completed"], "failed": prompts - r["completed"]}
@@ -180,7 +190,9 @@ def run_server(kind: str, start, args, model: pathlib.Path, tmp: pathlib.Path, r
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--vllm-python", required=True)
+    ap.add_argument("--vllm-python", default=None, help="the venv with vllm-cpu (the vllm client)")
+    ap.add_argument("--client", choices=("vllm", "tailserve"), default="vllm",
+                    help="the load generator: vllm bench serve (default) or tailserve bench")
     ap.add_argument("--llama-server", default=None, help="llama-server binary (omit: tailserve only)")
     ap.add_argument("--model-dir", default=str(pathlib.Path(tempfile.gettempdir()) / "tailserve-served-55m"))
     ap.add_argument("--rounds", type=int, default=1)
@@ -188,6 +200,11 @@ def main() -> None:
                     help="also serve with --engine-loop thread (the hand-off between threads), interleaved")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.client == "vllm" and not args.vllm_python:
+        ap.error("--vllm-python is needed with --client vllm")
+    if args.client == "tailserve":
+        args.vllm_python = None  # vllm_load then runs tailserve bench
+    print(f"client: {args.client} bench", flush=True)
     model = pathlib.Path(args.model_dir)
     prepare(model)
     gguf_path = write_gguf(str(model), "bf16", with_tokenizer=True) if args.llama_server else None
