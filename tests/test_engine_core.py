@@ -109,6 +109,26 @@ def test_streaming_without_stop_strings_is_not_held_back(llama_checkpoint):
     assert joined == final.text and sum(1 for d in deltas if d) >= 4  # text flows as it is decoded
 
 
+def test_generate_reads_only_final_outputs_and_matches_the_streamed_ones(engine_cache):
+    # LLM.generate asks for final outputs only (text detokenized once, at the finish); the
+    # per-step path on the same seeded requests, built-in model and tokenizer, gives the same.
+    llm = engine_cache()
+    prompts = ["def add(a, b):", "class Point:\n    def __init__(self", "import os\n"]
+    params = [SamplingParams(temperature=1.0, seed=7 + i, max_tokens=40) for i in range(3)]
+    finals = llm.generate(prompts, params)
+    for prompt, p, final in zip(prompts, params, finals):
+        joined, deltas, streamed = _stream(llm, prompt, p)
+        assert final.outputs[0].token_ids == streamed.outputs[0].token_ids
+        assert final.outputs[0].text == streamed.outputs[0].text == joined and len(deltas) > 1
+        assert final.outputs[0].finish_reason == streamed.outputs[0].finish_reason
+        assert final.delta_token_ids == final.outputs[0].token_ids  # the one output it got is all of it
+    rid = llm.engine.add_request(prompts[0], params[0], final_only=True)
+    seen = []
+    while not (seen and seen[-1].finished):
+        seen += [o for o in llm.engine.step() if o.request_id == rid]
+    assert len(seen) == 1 and seen[0].outputs[0].text == finals[0].outputs[0].text
+
+
 SEEDED = [SamplingParams(temperature=0.9, top_p=0.95, seed=s, max_tokens=14, ignore_eos=True) for s in (1, 2, 3)]
 SEEDED_PROMPTS = [[5, 6, 7], [40, 41, 42, 43, 44], [9, 8, 7, 6]]
 # Batch-mates that keep drafting their full k while the seeded ones near max_tokens draft

@@ -194,6 +194,53 @@ def test_samples_of_one_request_merge_into_one_output():
     assert len(op) == 0
 
 
+def _final_only_cases():
+    """(params, the steps' token chunks, whether the last ends on a stop token): every kind
+    of ending a request can have without a stop string."""
+    period = ALPHABET.index(".")
+    for chunking in _chunkings(len(TEXT)):
+        yield SamplingParams(max_tokens=64), [[ids(TEXT)[i] for i in c] for c in chunking], False
+    for include in (False, True):
+        stop_ids = SamplingParams(max_tokens=64, stop_token_ids=(period,), include_stop_str_in_output=include)
+        yield stop_ids, [ids("ok"), [100], ids(" .")], True
+    lp = SamplingParams(max_tokens=64, logprobs=1)
+    yield lp, [ids("ab"), ids("c"), ids("de")], False
+
+
+@pytest.mark.parametrize("case", range(len(list(_final_only_cases()))))
+def test_a_final_only_request_gets_one_output_equal_to_the_last_of_the_per_step_ones(case):
+    params, chunks, stop_token = list(_final_only_cases())[case]
+    finals = []
+    for final_only in (False, True):
+        op = OutputProcessor(TOK)  # type: ignore[arg-type]
+        op.add_request("r", None, [0], params, None, final_only=final_only)
+        outs = []
+        for i, chunk in enumerate(chunks):
+            last = i == len(chunks) - 1
+            lps = [{t: -0.01 * t} for t in chunk] if params.logprobs is not None else None
+            co = EngineCoreOutput("r", chunk, lps, last, ("stop" if stop_token else "length") if last else None,
+                                  chunk[-1] if last and stop_token else None, stop_token=last and stop_token)
+            outs.extend(op.process([co], 0)[0])
+        assert "r" not in op
+        if final_only:
+            assert len(outs) == 1  # nothing per step
+            # Its delta is all of it: everything since the caller's last output (none).
+            assert outs[0].delta_text == outs[0].outputs[0].text
+            assert outs[0].delta_token_ids == outs[0].outputs[0].token_ids
+        finals.append(outs[-1])
+    per_step, final_only = finals
+    assert final_only.finished and final_only.outputs == [
+        dataclasses.replace(per_step.outputs[0], delta_text=final_only.outputs[0].delta_text,
+                            delta_token_ids=final_only.outputs[0].delta_token_ids)]
+
+
+def test_final_only_with_stop_strings_still_checks_them_per_token():
+    op = OutputProcessor(TOK)  # type: ignore[arg-type]
+    op.add_request("r", None, [0], SamplingParams(stop=["lo"], max_tokens=64), None, final_only=True)
+    outs, stops = _run(op, "r", [ids("hel"), ids("lo wor"), ids("ld")])
+    assert outs[-1].finished and outs[-1].outputs[0].text == "hel" and stops == ["r"]
+
+
 # -- EngineCore with a fake worker ---------------------------------------------------------------
 ARCH = ModelArchConfig("LlamaForCausalLM", 128, 64, 128, 2, 4, 2, 16, 1e-5, 256, RopeConfig(), False, False,
                        False, False, False, None, torch.float32, 1, (127,))

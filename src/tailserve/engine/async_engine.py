@@ -103,8 +103,9 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         return self.engine.scheduler.num_waiting + self._pending_adds
 
-    def submit(self, prepared: PreparedRequest, request_id: str, arrival_ns: int) -> _Stream:
-        """Queue a validated request; raises EngineOverloadedError at the waiting bound."""
+    def submit(self, prepared: PreparedRequest, request_id: str, arrival_ns: int, final_only: bool = False) -> _Stream:
+        """Queue a validated request; raises EngineOverloadedError at the waiting bound. With
+        ``final_only`` (a response that is not streamed) only its finished output is delivered."""
         with self._lock:
             if self.dead is not None:
                 raise EngineRequestError(f"the engine is down: {self.dead}")
@@ -116,7 +117,7 @@ class AsyncEngine:
             stream = _Stream(asyncio.get_running_loop())
             self._streams[request_id] = stream
             self._pending_adds += 1
-        self._commands.put(("add", request_id, prepared, arrival_ns))
+        self._commands.put(("add", request_id, (prepared, final_only), arrival_ns))
         self._notify()
         return stream
 
@@ -166,7 +167,7 @@ class AsyncEngine:
         return None
 
     def _handle(self, cmd: tuple) -> None:
-        kind, rid, prepared, arrival_ns = cmd
+        kind, rid, payload, arrival_ns = cmd  # add: (request, final_only); unpin: its number of samples
         if kind == "add":
             with self._lock:
                 self._pending_adds -= 1
@@ -174,11 +175,11 @@ class AsyncEngine:
             if stream is not None and self._inline_loop is None:
                 self._just_added.add(stream.loop)
             try:
-                self.engine.add_prepared(prepared, rid, arrival_ns)
+                self.engine.add_prepared(payload[0], rid, arrival_ns, final_only=payload[1])
             except TailserveError as e:
                 self._deliver(rid, e)
         elif kind == "unpin":
-            self.engine.unpin_request(rid, prepared)  # the third slot: the number of samples
+            self.engine.unpin_request(rid, payload)
         elif kind == "abort":
             if rid in self.engine.output_processor:
                 self.engine.abort_request(rid)

@@ -86,7 +86,7 @@ class LLM:
         ids = []
         try:
             for prompt, params in zip(prompt_list, params_list):
-                ids.append(self.engine.add_request(prompt, params))
+                ids.append(self.engine.add_request(prompt, params, final_only=True))  # only finished outputs read
         except Exception:
             for rid in ids:  # all or nothing: do not leave half a batch queued
                 self.engine.abort_request(rid)

@@ -193,13 +193,14 @@ class LLMEngine:
         return self.processor.process(prompt, params, segments)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_ns: int | None = None) -> str:
+                    request_id: str | None = None, arrival_ns: int | None = None, final_only: bool = False) -> str:
         """Validate and queue a request. ``arrival_ns`` (perf_counter_ns) lets a server stamp
-        the moment the request arrived rather than when it reached the engine."""
-        return self.add_prepared(self.processor.process(prompt, params), request_id, arrival_ns)
+        the moment the request arrived rather than when it reached the engine; with
+        ``final_only`` ``step()`` returns only its finished output (vLLM's ``FINAL_ONLY``)."""
+        return self.add_prepared(self.processor.process(prompt, params), request_id, arrival_ns, final_only)
 
     def add_prepared(self, prepared: PreparedRequest, request_id: str | None = None,
-                     arrival_ns: int | None = None) -> str:
+                     arrival_ns: int | None = None, final_only: bool = False) -> str:
         arrival_ns = time.perf_counter_ns() if arrival_ns is None else arrival_ns
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.output_processor:
@@ -213,7 +214,7 @@ class LLMEngine:
             self.core.add_request(rid, prepared, arrival_ns)
         self.output_processor.add_request(rid, prepared.prompt, prepared.prompt_token_ids, params,
                                           arrival_ns if self.metrics_enabled else None, samples,
-                                          prepared.prompt_segments)
+                                          prepared.prompt_segments, final_only)
         return rid
 
     def unpin_request(self, request_id: str, num_samples: int = 1) -> None:

@@ -177,7 +177,9 @@ class Server:
         try:
             for i, prep in enumerate(prepared):
                 sub_id = rid if len(prepared) == 1 else f"{rid}-{i}"
-                subs.append((sub_id, self.async_engine.submit(prep, sub_id, arrival_ns), prep))
+                # A response that is not streamed reads only the finished output.
+                subs.append((sub_id, self.async_engine.submit(prep, sub_id, arrival_ns, final_only=not greq.stream),
+                             prep))
         except EngineOverloadedError as e:
             for sub_id, _, _ in subs:
                 self.async_engine.abort(sub_id)
