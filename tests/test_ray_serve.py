@@ -94,6 +94,11 @@ def test_errors_and_streams_pass_through_unchanged(endpoint):
     full = client.completions.create(model="builtin", prompt="def add(a, b):", max_tokens=8, temperature=0)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
     assert httpx.get(endpoint + "/v1/models").json()["data"][0]["id"] == "builtin"
+    # A replica is a server: its OpenMP workers spin as briefly as under `tailserve serve`.
+    from tailserve.engine.worker_spin import SERVE_SPIN_COUNT
+
+    plan = httpx.get(endpoint + "/health", timeout=30).json()["plan"]
+    assert plan["cpu_worker_spin"].startswith(f"{SERVE_SPIN_COUNT} "), plan["cpu_worker_spin"]
 
 
 def test_each_replica_exports_spans_that_continue_the_callers_trace(endpoint, collector):

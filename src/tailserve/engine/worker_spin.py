@@ -16,8 +16,10 @@ tok/s. Within a step the regions follow each other by microseconds, so a spin th
 
 So ``tailserve serve`` sets ``GOMP_SPINCOUNT`` to ``SERVE_SPIN_COUNT`` before PyTorch loads
 (libgomp reads it once, when it loads), unless the user chose ``GOMP_SPINCOUNT`` or
-``OMP_WAIT_POLICY`` themselves. The offline API leaves the environment alone. This module
-imports nothing heavy: it runs before torch is imported.
+``OMP_WAIT_POLICY`` themselves; a Ray Serve replica (integrations/ray_serve.py) gets it in its
+actor's ``runtime_env``, which Ray sets before the actor's process starts. The offline API
+leaves the environment alone. This module imports nothing heavy: it runs before torch is
+imported.
 """
 
 from __future__ import annotations
@@ -59,6 +61,14 @@ def limit_for_serving(env: MutableMapping[str, str] | None = None, torch_loaded:
     if real:  # this process's own decision (a mapping passed in is a what-if)
         _decided = out
     return out
+
+
+def serving_env(env: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """The variables a server process started by someone else (a Ray Serve replica's actor)
+    should start with: ``GOMP_SPINCOUNT`` for serving, or nothing where the user chose the wait
+    (in ``env``, this process's environment by default, which Ray hands on to its workers)."""
+    env = os.environ if env is None else env
+    return {} if _users_choice(env) is not None else {"GOMP_SPINCOUNT": str(SERVE_SPIN_COUNT)}
 
 
 def current(env: MutableMapping[str, str] | None = None) -> tuple[str, str]:

@@ -244,10 +244,19 @@ def build_openai_app(num_replicas: int = 2, model: str | None = None, served_mod
     ``engine_kwargs``: EngineConfig fields; ``server_kwargs``: ``Server``'s (api_key,
     max_body_bytes, max_waiting_requests). ``prefix_aware=False`` keeps Ray Serve's default
     router (power of two choices)."""
+    from tailserve.engine import worker_spin
+
     kwargs = dict(engine_kwargs or {})
     kwargs["model"] = model
+    actor: dict[str, Any] = {"num_cpus": num_cpus_per_replica}
+    # A replica is a server: its OpenMP workers should sleep soon after a step, as under
+    # `tailserve serve` (engine/worker_spin.py). libgomp reads the variable when it loads, so it
+    # goes in the actor's runtime_env, set before the actor's process starts.
+    spin = worker_spin.serving_env()
+    if spin:
+        actor["runtime_env"] = {"env_vars": spin}
     options: dict[str, Any] = dict(num_replicas=num_replicas, max_ongoing_requests=max_ongoing_requests,
-                                   ray_actor_options={"num_cpus": num_cpus_per_replica})
+                                   ray_actor_options=actor)
     if prefix_aware:
         options["request_router_config"] = RequestRouterConfig(request_router_class=ROUTER_CLASS,
                                                                request_router_kwargs=router_kwargs or {})
