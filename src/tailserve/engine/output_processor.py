@@ -248,12 +248,7 @@ class OutputProcessor:
                     st.text = st.text[: idx + len(stop_hit) if st.params.include_stop_str_in_output else idx]
                     break
         new_ids = list(co.new_token_ids[:kept])
-        if st.logprobs is not None and co.new_logprobs:
-            st.logprobs.extend(co.new_logprobs[:kept])
-        if st.timeline is not None:
-            st.timeline.on_tokens(now_ns, kept)
-        if self.prometheus is not None and kept:
-            self.prometheus.observe_tokens(kept)
+        self._count_tokens(st, co, kept, now_ns)
         finished = co.finished or stop_hit is not None
         if stop_hit is not None:
             finish_reason, stop_reason = "stop", stop_hit
@@ -269,14 +264,8 @@ class OutputProcessor:
     def _process_final_only(self, st: _State, co: EngineCoreOutput, now_ns: int) -> RequestOutput | None:
         """A ``final_only`` request's step: its tokens kept, nothing detokenized or built
         until it finishes (no stop string can end it here: the engine core decides)."""
-        n = len(co.new_token_ids)
         st.token_ids.extend(co.new_token_ids)
-        if st.logprobs is not None and co.new_logprobs:
-            st.logprobs.extend(co.new_logprobs[:n])
-        if st.timeline is not None:
-            st.timeline.on_tokens(now_ns, n)
-        if self.prometheus is not None and n:
-            self.prometheus.observe_tokens(n)
+        self._count_tokens(st, co, len(co.new_token_ids), now_ns)
         if not co.finished:
             return None
         if st.detokenizer is not None:
@@ -286,6 +275,15 @@ class OutputProcessor:
             st.text = "".join([append(t) for i, t in enumerate(st.token_ids) if i != silent])
         # The output is the whole of it: its "delta" is everything since the caller's last one.
         return self._output(st, True, co.finish_reason, co.stop_reason, st.text, list(st.token_ids), now_ns)
+
+    def _count_tokens(self, st: _State, co: EngineCoreOutput, kept: int, now_ns: int) -> None:
+        """The step's first ``kept`` tokens into the logprobs, the timeline and Prometheus."""
+        if st.logprobs is not None and co.new_logprobs:
+            st.logprobs.extend(co.new_logprobs[:kept])
+        if st.timeline is not None:
+            st.timeline.on_tokens(now_ns, kept)
+        if self.prometheus is not None and kept:
+            self.prometheus.observe_tokens(kept)
 
     def _output(self, st: _State, finished: bool, finish_reason: str | None, stop_reason: int | str | None,
                 delta_text: str, new_ids: list[int], now_ns: int) -> RequestOutput:
