@@ -84,6 +84,41 @@ def test_seeded_race_draws_from_p():
     assert chi2_pvalue(torch.bincount(winners, minlength=7).double(), p.double()) > 1e-3
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4, 16])
+def test_inverse_cdf_kernel_draws_the_formulas_token(rows):
+    """``CpuKernels.inverse_cdf`` against ``sample_from_probs`` given the same uniforms: the same
+    tokens, rows with zeros (filtered tokens), unnormalised rows and the uniforms' ends included
+    (1 to 3 rows run serially, 4 or more in parallel)."""
+    from tailserve.sample.sampler import sample_from_probs
+
+    g = torch.Generator().manual_seed(rows)
+    for trial in range(60):
+        v = int(torch.randint(2, 5000, (1,), generator=g))
+        probs = torch.softmax(torch.randn(rows, v, generator=g) * float(torch.rand(1, generator=g) * 8), -1)
+        if trial % 3 == 0:
+            probs[:, ::3] = 0.0
+        if trial % 5 == 0:
+            probs = probs * 7.5  # any positive scale per row
+        u = torch.rand(rows, generator=g, dtype=torch.float64)
+        if trial % 7 == 0:
+            u[:] = 0.0
+        if trial % 11 == 0:
+            u[:] = 1.0 - 2.0**-53
+        assert torch.equal(K.inverse_cdf(probs, u), sample_from_probs(probs, u)), (trial, v)
+
+
+def test_unseeded_rows_are_drawn_by_the_kernel_from_p():
+    """The sampler's unseeded rows through the kernel: frequencies follow p (chi-square)."""
+    from tailserve.sample.sampler import Sampler
+    from test_rejection_sampler import chi2_pvalue
+
+    p = torch.tensor([0.45, 0.25, 0.15, 0.1, 0.04, 0.01, 0.0])
+    sampler = Sampler(7, torch.device("cpu"), seed=5, kernels=K)
+    st = SamplingTensors.from_params([SamplingParams(temperature=1.0)] * 500, 7, torch.device("cpu"), kernels=K)
+    tokens = torch.cat([sampler.sample(p.log().expand(500, 7), st, [None] * 500) for _ in range(60)])
+    assert chi2_pvalue(torch.bincount(tokens, minlength=7).double(), p.double()) > 1e-3
+
+
 @pytest.mark.parametrize("block", [False, True])
 @pytest.mark.parametrize("one_hot", [False, True])
 def test_compiled_verification_equals_the_pytorch_rules(block, one_hot):

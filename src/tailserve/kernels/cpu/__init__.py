@@ -156,6 +156,10 @@ class CpuKernels:
         self._race.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
                                ctypes.c_void_p, ctypes.c_int]
         self._race.restype = None
+        self._inverse_cdf = lib.tailserve_inverse_cdf
+        self._inverse_cdf.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
+                                      ctypes.c_void_p, ctypes.c_int]
+        self._inverse_cdf.restype = None
         self._verify = lib.tailserve_verify_drafts
         self._verify.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long] \
             + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int]
@@ -195,6 +199,19 @@ class CpuKernels:
         k = torch.tensor(keys, dtype=torch.int64)  # 63-bit keys: the same bits as uint64
         out = torch.empty(n, dtype=torch.int64)
         self._race(probs.data_ptr(), probs.stride(0), k.data_ptr(), n, v, out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def inverse_cdf(self, probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+        """``sample.sampler.sample_from_probs`` in one call: per row of float32 probabilities
+        (N, V) the first token whose cumulative mass exceeds ``uniform[row]`` (float64) times
+        the row's total: (N,) int64, the same tokens."""
+        if probs.dtype != torch.float32 or probs.dim() != 2 or probs.stride(1) != 1:
+            raise ValueError("inverse_cdf takes float32 (N, V) probabilities with unit stride on V")
+        n, v = probs.shape
+        u = uniform.to(torch.float64).contiguous()
+        out = torch.empty(n, dtype=torch.int64)
+        self._inverse_cdf(probs.data_ptr(), probs.stride(0), u.data_ptr(), n, v, out.data_ptr(),
+                          torch.get_num_threads())
         return out
 
     def verify_drafts(self, probs: torch.Tensor, q: torch.Tensor | None, draft_ids: list[list[int]],
