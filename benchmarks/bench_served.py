@@ -143,7 +143,7 @@ class LlamaServer:
         self.log.close()
 
 
-def vllm_load(python: str | None, url: str, tokenizer: pathlib.Path, prompts: int, concurrency: int, seed: int,
+def one_load(python: str | None, url: str, tokenizer: pathlib.Path, prompts: int, concurrency: int, seed: int,
               out: pathlib.Path, name: str) -> dict:
     """One load: `vllm bench serve` in ``python``'s venv, or `tailserve bench` where ``python`` is None."""
     load = ["--model", "m", "--tokenizer", str(tokenizer), "--dataset-name", "random", "--random-input-len", "128",
@@ -167,11 +167,11 @@ def run_server(kind: str, start, args, model: pathlib.Path, tmp: pathlib.Path, r
     res = {}
     offline = []
     with start() as srv:
-        res["first_16"] = vllm_load(args.vllm_python, srv.url, model, 64, 16, 100 + r, tmp, f"{kind}-{r}-a.json")
-        res["second_16"] = vllm_load(args.vllm_python, srv.url, model, 64, 16, 200 + r, tmp, f"{kind}-{r}-b.json")
+        res["first_16"] = one_load(args.vllm_python, srv.url, model, 64, 16, 100 + r, tmp, f"{kind}-{r}-a.json")
+        res["second_16"] = one_load(args.vllm_python, srv.url, model, 64, 16, 200 + r, tmp, f"{kind}-{r}-b.json")
         if kind != "llama.cpp":
             offline.append(offline_step_ms(model))  # the server idles meanwhile
-        res["one"] = vllm_load(args.vllm_python, srv.url, model, 16, 1, 300 + r, tmp, f"{kind}-{r}-c.json")
+        res["one"] = one_load(args.vllm_python, srv.url, model, 16, 1, 300 + r, tmp, f"{kind}-{r}-c.json")
         if kind != "llama.cpp":
             offline.append(offline_step_ms(model))
     for load, v in res.items():
@@ -203,7 +203,7 @@ def main() -> None:
     if args.client == "vllm" and not args.vllm_python:
         ap.error("--vllm-python is needed with --client vllm")
     if args.client == "tailserve":
-        args.vllm_python = None  # vllm_load then runs tailserve bench
+        args.vllm_python = None  # one_load then runs tailserve bench
     print(f"client: {args.client} bench", flush=True)
     model = pathlib.Path(args.model_dir)
     prepare(model)
@@ -212,7 +212,7 @@ def main() -> None:
     # Each client process first sends one request to a stand-in so its own first-request costs
     # are paid there: here, a tailserve server of the built-in model started once.
     with LocalServer(["--no-warmup", "--served-model-name", "m"]) as standin:
-        vllm_load(args.vllm_python, standin.url, _builtin(), 1, 1, 0, tmp, "standin.json")
+        one_load(args.vllm_python, standin.url, _builtin(), 1, 1, 0, tmp, "standin.json")
     servers = {"tailserve": lambda: LocalServer(["--model", str(model), "--served-model-name", "m"])}
     if args.with_thread_loop:
         servers["ts-thread"] = lambda: LocalServer(["--model", str(model), "--served-model-name", "m",

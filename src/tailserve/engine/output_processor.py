@@ -15,11 +15,12 @@ the request's timeline, and for every step's new tokens it
   core) into the request's one output (``parallel_sampling.ParentRequest``).
 
 A caller that reads only finished outputs (``final_only``: ``LLM.generate``, as vLLM's offline
-``LLM`` asks for ``RequestOutputKind.FINAL_ONLY``) gets no output per step, and where no stop
-string needs the text per token, its text is detokenized once, at the finish, by the same
-incremental detokenizer over the same tokens (so the same text). Per token during the run that
-detokenizing cost ~25 us here (2 AVX2 cores, a batch-1 step of ~1 ms, its caches cold after the
-forward) against ~2.4 us in one pass at the end: 2.6% of batch-1 decode, measured.
+``LLM`` asks for ``RequestOutputKind.FINAL_ONLY``, and a server response that is not streamed)
+gets no output per step, and where no stop string needs the text per token, its text is
+detokenized once, at the finish, by the same incremental detokenizer over the same tokens (so
+the same text). Per token during the run that detokenizing cost ~25 us here (2 AVX2 cores, a
+batch-1 step of ~1 ms, its caches cold after the forward) against ~2.4 us in one pass at the
+end: batch-1 offline decode 3.6-5.0% faster, measured (docs/benchmarks.md, session 39).
 
 It never touches the scheduler, blocks or tensors.
 """
