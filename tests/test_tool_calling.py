@@ -218,6 +218,29 @@ def test_structured_outputs_choice_and_regex_on_both_endpoints(client):
         assert re.fullmatch(r"[a-z]{3,6}@[a-z]{3}\.com", c.text), c.text
 
 
+def test_logprobs_of_tokens_a_grammar_forbids_are_valid_json(client):
+    # Under a grammar the masked tokens have probability zero: -inf, which JSON cannot carry (a
+    # 500 before). They read -9999.0, as in vLLM's OpenAI server, and the top list keeps its length.
+    so = {"structured_outputs": {"choice": ["yes"]}}
+    r = client.chat.completions.create(model="qwen-tiny", messages=ASK, max_tokens=10, temperature=0, logprobs=True,
+                                       top_logprobs=5, extra_body=so)
+    content = r.choices[0].logprobs.content
+    assert r.choices[0].message.content == "yes" and content
+    for e in content:
+        assert e.logprob == pytest.approx(0.0, abs=1e-5) and len(e.top_logprobs) == 5
+        assert [t.logprob for t in e.top_logprobs[1:]] == [-9999.0] * 4
+    chunks = client.chat.completions.create(model="qwen-tiny", messages=ASK, max_tokens=10, temperature=0,
+                                            logprobs=True, top_logprobs=3, extra_body=so, stream=True)
+    streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert all(t.logprob == -9999.0 for e in streamed for t in e.top_logprobs[1:])
+    r = client.completions.create(model="qwen-tiny", prompt="Answer: ", max_tokens=10, temperature=0, logprobs=3,
+                                  extra_body=so)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == "yes" and all(v == pytest.approx(0.0, abs=1e-5) for v in lp.token_logprobs)
+    assert all(sorted(top.values())[:2] == [-9999.0, -9999.0] for top in lp.top_logprobs)
+
+
 def test_streamed_structured_output_concatenates_to_valid_json(client):
     schema = {"type": "object", "required": ["n"], "additionalProperties": False,
               "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}}}

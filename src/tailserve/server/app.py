@@ -59,6 +59,16 @@ log = logging.getLogger("tailserve.server")
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 
+# The log-probability a response shows for a token of probability zero (one a grammar's mask
+# or a top-k/top-p cut removed): JSON has no -inf, and vLLM's OpenAI server clamps to the same.
+MIN_WIRE_LOGPROB = -9999.0
+
+
+def _wire_logprob(v: float | None) -> float | None:
+    """A log-probability as a response carries it: at least ``MIN_WIRE_LOGPROB`` (NaN too)."""
+    return v if v is None or v >= MIN_WIRE_LOGPROB else MIN_WIRE_LOGPROB
+
+
 def timing_dict(m: RequestMetrics | None) -> dict[str, Any] | None:
     """The body's ``timing`` object (metrics/wire.py)."""
     return None if m is None else WireTiming.from_metrics(m).to_wire()
@@ -272,10 +282,12 @@ class Server:
 
     def _echo_logprobs(self, out: RequestOutput) -> dict[str, Any]:
         """The prompt's tokens in the legacy logprobs format (None for the first token)."""
-        plp = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
-        return {"tokens": [self._token_text(t) for t in out.prompt_token_ids],
-                "token_logprobs": [lp.get(t) if lp else None for t, lp in zip(out.prompt_token_ids, plp)],
-                "top_logprobs": [{self._token_text(k): v for k, v in lp.items()} if lp else None for lp in plp]}
+        ids = out.prompt_token_ids
+        plp = out.prompt_logprobs or [None] * len(ids)
+        return {"tokens": [self._token_text(t) for t in ids],
+                "token_logprobs": [_wire_logprob(lp.get(t)) if lp else None for t, lp in zip(ids, plp)],
+                "top_logprobs": [{self._token_text(k): _wire_logprob(v) for k, v in lp.items()} if lp else None
+                                 for lp in plp]}
 
     async def chat_completions(self, request: Request) -> Response:
         with self.async_engine.admitting():  # the engine loop waits for its submit
@@ -513,8 +525,8 @@ class Server:
         toks = c.token_ids[start:len(lps)]
         lps = lps[start:]
         return {"tokens": [self._token_text(t) for t in toks],
-                "token_logprobs": [lp.get(t) for t, lp in zip(toks, lps)],
-                "top_logprobs": [{self._token_text(k): v for k, v in lp.items()} for lp in lps]}
+                "token_logprobs": [_wire_logprob(lp.get(t)) for t, lp in zip(toks, lps)],
+                "top_logprobs": [{self._token_text(k): _wire_logprob(v) for k, v in lp.items()} for lp in lps]}
 
     def _chat_logprobs(self, c: CompletionOutput, start: int, top_n: int) -> dict[str, Any] | None:
         """Chat format, tokens ``start:``: the sampled token's logprob, and ``top_logprobs``
@@ -525,7 +537,7 @@ class Server:
 
         def entry(tok: int, logprob: float | None) -> dict[str, Any]:
             text = self._token_text(tok)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            return {"token": text, "logprob": _wire_logprob(logprob), "bytes": list(text.encode("utf-8"))}
 
         content = []
         for t, lp in zip(c.token_ids[start:len(lps)], lps[start:]):
