@@ -112,6 +112,27 @@ def test_bitmask_rows_follow_the_drafts_and_leave_the_matcher_where_it_was(compi
     assert m1.consume_token(3) and not m1.is_error()
 
 
+@pytest.mark.parametrize("parallel", [False, True])
+def test_drafts_past_the_grammars_end_leave_the_matcher_where_it_was(compiler8, parallel):
+    from tailserve.structured.grammar import BitmaskBuilder
+
+    g = compiler8.compile(SO(regex="[ab][c-f]"))
+    b = BitmaskBuilder(8, parallel=parallel)
+    m = g.start()
+    assert m.consume_token(2)  # a
+    # c completes the grammar (the matcher stops), then EOS and b: a stopped matcher takes EOS
+    # without recording it, so a walk that rolled back every validated draft undid the a too.
+    bm = b.build([(m, [4, 1, 3])])
+    assert [allowed(r, 8) for r in bm] == [[4, 5, 6, 7], [1], list(range(8)), list(range(8))]
+    assert not m.is_stopped() and not m.is_error()
+    assert m.consume_token(4) and m.is_stopped()  # c is still what completes it
+    bm = b.build([(m, [1, 3])])  # at the end already: EOS only, nothing after it reached
+    assert [allowed(r, 8) for r in bm] == [[1], list(range(8)), list(range(8))]
+    assert m.is_stopped() and not m.is_error()
+    m.rollback(1)  # its history is still a c: one step back it is after the a
+    assert not m.is_stopped() and m.consume_token(5) and m.is_stopped()
+
+
 def test_the_matcher_stops_when_the_grammar_is_complete(compiler8):
     m = compiler8.compile(SO(choice=["ab", "ba"])).start()
     assert m.consume_tokens([2, 3]) and m.is_stopped()
@@ -224,6 +245,24 @@ def test_greedy_constrained_output_is_identical_with_speculation(builtin, llm_bu
         ids = [o.outputs[0].token_ids for o in builtin.generate(PROMPTS, p)]
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, p)] == ids
     assert llm.engine.spec_stats.num_draft_tokens > before  # drafts were verified under the masks
+
+
+def test_greedy_constrained_output_is_identical_when_drafts_run_past_the_grammars_end(builtin, engine_cache):
+    # The context holds the answer followed by EOS (an agent's earlier turns do), so a lookup
+    # drafts the answer's end and then EOS: the mask walk went past the grammar's stop, rolled
+    # back one token too many, and the request was aborted mid-answer (finish_reason "abort").
+    llm = engine_cache(speculative_method="ngram", num_speculative_tokens=3)
+    tok = builtin.engine.tokenizer
+    call, ask, eos = '[{"name": "f"}]', "answer: ", 1
+    ids = [t for _ in range(3) for t in (*tok.encode(ask, add_special_tokens=False),
+                                         *tok.encode(call, add_special_tokens=False), eos)]
+    ids += tok.encode(ask, add_special_tokens=False)
+    p = SamplingParams(max_tokens=30, temperature=0, structured_outputs=SO(choice=(call,)))
+    before = llm.engine.spec_stats.num_draft_tokens
+    ref, got = builtin.generate([ids], p)[0].outputs[0], llm.generate([ids], p)[0].outputs[0]
+    assert (ref.text, ref.finish_reason) == (call, "stop")
+    assert (got.token_ids, got.finish_reason) == (ref.token_ids, "stop")
+    assert llm.engine.spec_stats.num_draft_tokens > before
 
 
 def test_finishing_and_aborting_release_the_matcher(builtin):

@@ -197,8 +197,18 @@ class BitmaskBuilder:
         if not drafts:
             return
         valid = m.validate_tokens(list(drafts))  # the accepted prefix: consuming a refused one would break m
+        walked = 0
         for i in range(valid):
+            if m.is_stopped():
+                # The grammar is complete: its row allows only EOS, which ends the request, so
+                # the rows after it are never reached (left open, as llguidance's own walk
+                # leaves them). A stopped matcher takes EOS without recording it, and rolling
+                # back the count validated would undo a token the request really has: the
+                # next accepted token was then refused and the request aborted (suffix
+                # decoding drafts a tool call's end and the EOS after it from earlier turns).
+                break
             m.consume_token(drafts[i])
+            walked += 1
             llg_numpy.fill_next_token_bitmask(m, bitmask, row + i + 1)
-        if valid:
-            m.rollback(valid)
+        if walked:
+            m.rollback(walked)
