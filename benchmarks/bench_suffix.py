@@ -111,7 +111,7 @@ def agentic_run(suffix: bool, concurrency: int | None, seed: int, args: argparse
             # keyed by session and turn: a later turn's send time, and so the records' order, varies
             "output_lens": sorted((r["conversation"], r["turn"], r["output_tokens"]) for r in res["requests"]),
             "drafts_per_token": (res.get("spec_decode_draft_tokens") or 0)
-            / max(res["total_output_tokens"], 1), "acceptance": res.get("spec_decode_acceptance_rate"),
+            / max(res["total_output_tokens"], 1), "acceptance": res.get("spec_decode_acceptance_rate") or 0.0,
             "acceptance_length": res.get("spec_decode_acceptance_length")}
 
 
@@ -156,7 +156,7 @@ def agentic(args: argparse.Namespace) -> None:
             print(f"  {load}, round {r + 1}: TPOT P50 off {off['tpot_p50_ms']:.2f} / suffix "
                   f"{suf['tpot_p50_ms']:.2f} ms, session P50 {off['session_p50_ms']:.0f} / "
                   f"{suf['session_p50_ms']:.0f} ms, drafts a token "
-                  f"{suf['drafts_per_token']:.2f}, acceptance {suf['acceptance'] or 0:.0f}%", flush=True)
+                  f"{suf['drafts_per_token']:.2f}, acceptance {suf['acceptance']:.0f}%", flush=True)
 
         out["loads"][load] = agentic_row(runs)
     print("\nload | TPOT P50 off / suffix (ms) | decode speed-up | E2EL P50 off / suffix | session P50 off / suffix "
