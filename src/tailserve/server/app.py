@@ -60,7 +60,8 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 
 # The log-probability a response shows for a token of probability zero (one a grammar's mask
-# or a top-k/top-p cut removed): JSON has no -inf, and vLLM's OpenAI server clamps to the same.
+# removed: logprobs are of the masked distribution): JSON has no -inf, and vLLM's OpenAI server
+# clamps to the same value.
 MIN_WIRE_LOGPROB = -9999.0
 
 
