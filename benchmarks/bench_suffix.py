@@ -72,11 +72,9 @@ def multi_turn(llm, params, sessions: int = 4, turns: int = 4) -> tuple[float, l
 
 
 def cpu_capability() -> str:
-    from tailserve.platform_info import cpu_flags
+    from tailserve.engine.plan import detect_capabilities
 
-    flags = cpu_flags()
-    return ("AVX-512" + (" with bf16" if "avx512_bf16" in flags else "")) if "avx512f" in flags else \
-        "AVX2" if "avx2" in flags else "no AVX2"
+    return detect_capabilities(torch.device("cpu")).cpu_capability
 
 
 def agentic_run(suffix: bool, concurrency: int | None, seed: int, args: argparse.Namespace) -> dict:
