@@ -112,10 +112,13 @@ def test_streaming_without_stop_strings_is_not_held_back(llama_checkpoint):
 def test_generate_reads_only_final_outputs_and_matches_the_streamed_ones(engine_cache):
     # LLM.generate asks for final outputs only (text detokenized once, at the finish); the
     # per-step path on the same seeded requests, built-in model and tokenizer, gives the same.
+    # Each request runs alone in both paths: a batch of three takes other kernels than a batch
+    # of one on some CPUs (oneDNN/AMX against the GEMV on AVX-512 bf16), whose roundings move
+    # a sampled token, and that is not what this test is about.
     llm = engine_cache()
     prompts = ["def add(a, b):", "class Point:\n    def __init__(self", "import os\n"]
     params = [SamplingParams(temperature=1.0, seed=7 + i, max_tokens=40) for i in range(3)]
-    finals = llm.generate(prompts, params)
+    finals = [llm.generate([prompt], [p])[0] for prompt, p in zip(prompts, params)]
     for prompt, p, final in zip(prompts, params, finals):
         joined, deltas, streamed = _stream(llm, prompt, p)
         assert final.outputs[0].token_ids == streamed.outputs[0].token_ids
