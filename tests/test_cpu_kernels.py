@@ -297,6 +297,33 @@ def test_the_decode_attention_kernel_matches_the_reference(seed, kv_dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("h, kvh, d, bs, window", [(6, 2, 64, 16, None), (6, 2, 64, 16, 45), (4, 2, 80, 16, None),
+                                                   (2, 2, 48, 8, 13), (4, 1, 128, 16, None), (4, 2, 72, 16, None)])
+def test_a_bf16_cache_read_in_pairs_gives_attention_over_its_values(h, kvh, d, bs, window):
+    """A bf16 cache with D a multiple of 16 is read as even/odd pairs (scores eight positions at
+    a time, the block's last few one by one); D = 72 takes the widening path. Contexts long
+    enough for many groups of eight, windows that start mid-group, verification rows: the
+    result is attention over the stored values (float64 oracle)."""
+    from tailserve.attention.cpu_decode import CpuDecodeBackend
+    from tailserve.attention.reference import build_attention_metadata, paged_attention
+
+    g = torch.Generator().manual_seed(d + (window or 0))
+    ctxs, qlens = [300, 17, 129, 8, 64], [1, 1, 5, 1, 3]
+    num_blocks = sum(-(-c // bs) for c in ctxs) + 2
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [[free.pop() for _ in range(-(-c // bs))] for c in ctxs]
+    t = sum(qlens)
+    cache = torch.randn(2, num_blocks, bs, kvh, d, generator=g).to(torch.bfloat16)
+    q, k, v = (torch.randn(t, n, d, generator=g) for n in (h, kvh, kvh))
+    meta = CpuDecodeBackend(bs, 8, 64, 512, window, torch.device("cpu"), kernels=KERNELS).build(qlens, ctxs, tables)
+    got = meta.attend(q, k, v, cache.clone(), d ** -0.5)
+    ref_meta = build_attention_metadata(qlens, ctxs, tables, bs, window, torch.device("cpu"))
+    want = paged_attention(q.double(), k.to(torch.bfloat16).double(), v.to(torch.bfloat16).double(),
+                           cache.double(), ref_meta, d ** -0.5)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
 @pytest.mark.parametrize("seed", range(6))
 def test_a_step_of_prompt_chunks_beside_decodes_splits_its_rows_and_matches_the_reference(seed):
     """Long prompt chunks beside decodes and short chunks, in any row order: the short rows

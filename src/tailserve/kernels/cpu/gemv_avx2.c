@@ -591,6 +591,197 @@ static inline __attribute__((always_inline)) void attend_item(
     }
 }
 
+/* ---- A bf16 cache read as pairs ----
+ *
+ * A 32-bit lane of a bf16 row holds elements 2i (its low half) and 2i + 1 (its high half). As
+ * float32 they are the lane shifted left by 16 bits and the lane with its low half cleared:
+ * a load, a shift and an AND per 16 elements, where widening 8 at a time (attend_item) costs a
+ * zero-extending shuffle with its load and a shift per 8. At long contexts that widening was
+ * most of the kernel (7,000 tokens, 2 cores of a Xeon with AVX-512: the scores' part took 47
+ * us with it, 15 without). So q is split once per (sequence, KV head) into [8 even | 8 odd]
+ * per 16-element slice, a score adds the two halves' sums, and the weighted values build up in
+ * the same split order, interleaved once at the end. Sums are in a different order from
+ * attend_item's: the same scores to float32 rounding, not bitwise. */
+
+static inline __attribute__((always_inline)) void split_bf16(const uint16_t* row, __m256* even, __m256* odd) {
+    __m256i x = _mm256_loadu_si256((const __m256i*)row);
+    *even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+    *odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* q . k for one position: qs the head's split q, k the position's bf16 row (D % 16 == 0). */
+static inline __attribute__((always_inline)) __m256 dot_split(const float* qs, const uint16_t* k, long D) {
+    __m256 c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps();
+    for (long d = 0; d < D; d += 16) {
+        __m256 even, odd;
+        split_bf16(k + d, &even, &odd);
+        c0 = _mm256_fmadd_ps(_mm256_loadu_ps(qs + d), even, c0);
+        c1 = _mm256_fmadd_ps(_mm256_loadu_ps(qs + d + 8), odd, c1);
+    }
+    return _mm256_add_ps(c0, c1);
+}
+
+/* Lane i = the sum of a_i's lanes: eight horizontal sums in 8 cross-lane moves, 4 adds and 3
+ * hadds, where one sum a score (hsum8) is a chain of dependent shuffles and adds. */
+static inline __attribute__((always_inline)) __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4,
+                                                            __m256 a5, __m256 a6, __m256 a7) {
+    __m256 s01 = _mm256_add_ps(_mm256_permute2f128_ps(a0, a1, 0x20), _mm256_permute2f128_ps(a0, a1, 0x31));
+    __m256 s23 = _mm256_add_ps(_mm256_permute2f128_ps(a2, a3, 0x20), _mm256_permute2f128_ps(a2, a3, 0x31));
+    __m256 s45 = _mm256_add_ps(_mm256_permute2f128_ps(a4, a5, 0x20), _mm256_permute2f128_ps(a4, a5, 0x31));
+    __m256 s67 = _mm256_add_ps(_mm256_permute2f128_ps(a6, a7, 0x20), _mm256_permute2f128_ps(a6, a7, 0x31));
+    __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(s01, s23), _mm256_hadd_ps(s45, s67));  /* a0 a2 a4 a6 | a1 a3 a5 a7 */
+    return _mm256_permutevar8x32_ps(u, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* The scores of eight consecutive positions (rows `stride` apart from r) for every head. */
+static inline __attribute__((always_inline)) void score8_split(const float* qs, const uint16_t* r, long stride,
+                                                               long D, long G, __m256 scale, float* p, long pstride,
+                                                               float* mxv) {
+    for (long g = 0; g < G; g++) {
+        const float* qv = qs + g * D;
+        __m256 sc = _mm256_mul_ps(hsum8x8(dot_split(qv, r, D), dot_split(qv, r + stride, D),
+                                          dot_split(qv, r + 2 * stride, D), dot_split(qv, r + 3 * stride, D),
+                                          dot_split(qv, r + 4 * stride, D), dot_split(qv, r + 5 * stride, D),
+                                          dot_split(qv, r + 6 * stride, D), dot_split(qv, r + 7 * stride, D)), scale);
+        _mm256_storeu_ps(p + g * pstride, sc);
+        _mm256_storeu_ps(mxv + g * 8, _mm256_max_ps(_mm256_loadu_ps(mxv + g * 8), sc));
+    }
+}
+
+/* os[head] += sum over the rows r .. r + (npos - 1) stride of p[head][pos] * V[pos], split. */
+static inline __attribute__((always_inline)) void weigh_split(const uint16_t* r, long stride, long npos,
+                                                              const float* p, long pstride, float* os, long D,
+                                                              long G) {
+    for (long g = 0; g < G; g++) {
+        const float* pg = p + g * pstride;
+        float* o = os + g * D;
+        long d0 = 0;
+        for (; d0 + 64 <= D; d0 += 64) {
+            __m256 a[8];
+            for (int i = 0; i < 8; i++) a[i] = _mm256_loadu_ps(o + d0 + 8 * i);
+            for (long pos = 0; pos < npos; pos++) {
+                const uint16_t* v = r + pos * stride + d0;
+                __m256 pj = _mm256_set1_ps(pg[pos]);
+                for (int c = 0; c < 4; c++) {
+                    __m256 even, odd;
+                    split_bf16(v + 16 * c, &even, &odd);
+                    a[2 * c] = _mm256_fmadd_ps(pj, even, a[2 * c]);
+                    a[2 * c + 1] = _mm256_fmadd_ps(pj, odd, a[2 * c + 1]);
+                }
+            }
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps(o + d0 + 8 * i, a[i]);
+        }
+        for (; d0 < D; d0 += 16) {  /* a last slice narrower than 64 (D = 80, 96, ...) */
+            __m256 ae = _mm256_loadu_ps(o + d0), ao = _mm256_loadu_ps(o + d0 + 8);
+            for (long pos = 0; pos < npos; pos++) {
+                __m256 pj = _mm256_set1_ps(pg[pos]), even, odd;
+                split_bf16(r + pos * stride + d0, &even, &odd);
+                ae = _mm256_fmadd_ps(pj, even, ae);
+                ao = _mm256_fmadd_ps(pj, odd, ao);
+            }
+            _mm256_storeu_ps(o + d0, ae);
+            _mm256_storeu_ps(o + d0 + 8, ao);
+        }
+    }
+}
+
+/* attend_item for a bf16 cache with D % 16 == 0; ws: G x (2 D + 9) floats of scratch. */
+static inline __attribute__((always_inline)) void attend_item_split(
+        const float* q, const uint16_t* kc, const uint16_t* vc, const int32_t* block_tables, long bt_stride,
+        const int32_t* seq_lens, float* out, long H, long KVH, long D, long block_size, float scale, long window,
+        long max_ctx, long b, long kvh, float* p, float* ws) {
+    long G = H / KVH, stride = KVH * D, pst = max_ctx + 8;
+    long ctx = seq_lens[b];
+    long start = window > 0 && ctx > window ? ctx - window : 0;
+    long n = ctx - start;
+    const float* qg = q + (b * H + kvh * G) * D;
+    const int32_t* table = block_tables + b * bt_stride;
+    float* qs = ws;                /* G x D: q, each 16-element slice as [8 even | 8 odd] */
+    float* os = ws + G * D;        /* G x D: the weighted values, split the same way */
+    float* mxv = ws + 2 * G * D;   /* G x 8: running maxima of the scores */
+    float* mx = mxv + 8 * G;       /* G: each head's maximum, then its normaliser */
+    for (long g = 0; g < G; g++) {
+        for (long d = 0; d < D; d += 16)
+            for (long i = 0; i < 8; i++) {
+                qs[g * D + d + i] = qg[g * D + d + 2 * i];
+                qs[g * D + d + 8 + i] = qg[g * D + d + 2 * i + 1];
+            }
+        for (long d = 0; d < D; d += 8) _mm256_storeu_ps(os + g * D + d, _mm256_setzero_ps());
+        _mm256_storeu_ps(mxv + g * 8, _mm256_set1_ps(-INFINITY));
+        mx[g] = -INFINITY;
+    }
+    __m256 sv = _mm256_set1_ps(scale);
+    for (long j = start; j < ctx;) {
+        long blk = j / block_size, off = j - blk * block_size;
+        long stop = (blk + 1) * block_size < ctx ? (blk + 1) * block_size : ctx;
+        const uint16_t* kb = kc + ((long)table[blk] * block_size * KVH + kvh) * D;
+        if (stop < ctx && table[blk + 1] != table[blk] + 1)
+            prefetch_block(kc, ((long)table[blk + 1] * block_size * KVH + kvh) * D, stride, block_size, D, KV_BF16);
+        if (D == 64)
+            for (; j + 8 <= stop; j += 8, off += 8)
+                score8_split(qs, kb + off * stride, stride, 64, G, sv, p + j - start, pst, mxv);
+        else
+            for (; j + 8 <= stop; j += 8, off += 8)
+                score8_split(qs, kb + off * stride, stride, D, G, sv, p + j - start, pst, mxv);
+        for (; j < stop; j++, off++)
+            for (long g = 0; g < G; g++) {
+                float sc = hsum8(dot_split(qs + g * D, kb + off * stride, D)) * scale;
+                p[g * pst + j - start] = sc;
+                if (sc > mx[g]) mx[g] = sc;
+            }
+    }
+    for (long g = 0; g < G; g++) {
+        __m256 m = _mm256_loadu_ps(mxv + g * 8);
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+        float hm = _mm_cvtss_f32(h);
+        if (hm > mx[g]) mx[g] = hm;
+    }
+    for (long g = 0; g < G; g++) {  /* softmax numerators and sums, per head */
+        float* pg = p + g * pst;
+        __m256 mv = _mm256_set1_ps(mx[g]), acc = _mm256_setzero_ps();
+        long j = 0;
+        for (; j + 8 <= n; j += 8) {
+            __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(pg + j), mv));
+            _mm256_storeu_ps(pg + j, e);
+            acc = _mm256_add_ps(acc, e);
+        }
+        float sum = hsum8(acc);
+        for (; j < n; j++) { pg[j] = expf(pg[j] - mx[g]); sum += pg[j]; }
+        mx[g] = 1.0f / sum;
+    }
+    for (long pos0 = start; pos0 < ctx;) {  /* weighted values, one cache block at a time */
+        long blk = pos0 / block_size, off0 = pos0 - blk * block_size;
+        long stop = (blk + 1) * block_size < ctx ? (blk + 1) * block_size : ctx;
+        const uint16_t* vb = vc + ((long)table[blk] * block_size * KVH + kvh) * D;
+        if (stop < ctx && table[blk + 1] != table[blk] + 1)
+            prefetch_block(vc, ((long)table[blk + 1] * block_size * KVH + kvh) * D, stride, block_size, D, KV_BF16);
+        if (D == 64) weigh_split(vb + off0 * stride, stride, stop - pos0, p + pos0 - start, pst, os, 64, G);
+        else weigh_split(vb + off0 * stride, stride, stop - pos0, p + pos0 - start, pst, os, D, G);
+        pos0 = stop;
+    }
+    for (long g = 0; g < G; g++) {  /* interleave the split sums back, normalised */
+        float* o = out + (b * H + kvh * G + g) * D;
+        const float* src = os + g * D;
+        __m256 inv = _mm256_set1_ps(mx[g]);
+        for (long d = 0; d < D; d += 16) {
+            __m256 even = _mm256_loadu_ps(src + d), odd = _mm256_loadu_ps(src + d + 8);
+            __m256 lo = _mm256_unpacklo_ps(even, odd), hi = _mm256_unpackhi_ps(even, odd);  /* e0 o0 e1 o1 | e4 o4 e5 o5 */
+            _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_permute2f128_ps(lo, hi, 0x20), inv));
+            _mm256_storeu_ps(o + d + 8, _mm256_mul_ps(_mm256_permute2f128_ps(lo, hi, 0x31), inv));
+        }
+    }
+}
+
+static void attend_item_bf16_split(const float* q, const void* k_cache, const void* v_cache,
+                                   const int32_t* block_tables, long bt_stride, const int32_t* seq_lens, float* out,
+                                   long H, long KVH, long D, long block_size, float scale, long window, long max_ctx,
+                                   long b, long kvh, float* p, float* ws) {
+    attend_item_split(q, (const uint16_t*)k_cache, (const uint16_t*)v_cache, block_tables, bt_stride, seq_lens, out,
+                      H, KVH, D, block_size, scale, window, max_ctx, b, kvh, p, ws);
+}
+
 #define DEFINE_ATTEND_ITEM(NAME, FMT)                                                                        \
 static void NAME(const float* q, const void* k_cache, const void* v_cache, const int32_t* block_tables,       \
                  long bt_stride, const int32_t* seq_lens, float* out, long H, long KVH, long D, long block_size, \
@@ -609,11 +800,12 @@ static void attend_paged(const float* q, const void* k_cache, const void* v_cach
     int nt = work * G * max_ctx * D < (1L << 16) ? 1 : threads;  /* small steps: no thread wake-up */
     void (*item)(const float*, const void*, const void*, const int32_t*, long, const int32_t*, float*, long, long,
                  long, long, float, long, long, long, long, float*, float*) =
-        kv_fmt == KV_BF16 ? attend_item_bf16 : kv_fmt == KV_F16 ? attend_item_f16 : attend_item_f32;
+        kv_fmt == KV_BF16 ? (D % 16 == 0 ? attend_item_bf16_split : attend_item_bf16)
+        : kv_fmt == KV_F16 ? attend_item_f16 : attend_item_f32;
     _Pragma("omp parallel num_threads(nt)")
     {
         float* p = (float*)malloc((size_t)G * (max_ctx + 8) * sizeof(float));
-        float* mx = (float*)malloc((size_t)G * sizeof(float));
+        float* mx = (float*)malloc((size_t)G * (2 * D + 9) * sizeof(float));  /* attend_item_split's scratch */
         _Pragma("omp for schedule(dynamic, 1)")
         for (long i = 0; i < work; i++)
             item(q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, H, KVH, D, block_size, scale, window,
