@@ -25,6 +25,33 @@ def test_a_request_repeating_its_own_text_drafts_what_followed_and_one_that_does
     assert p.propose_one([1, 2, 3, 4], k=8) == []
 
 
+@pytest.mark.parametrize("kind", ["suffix", "ngram"])
+def test_a_lookup_keeps_each_requests_tokens_as_they_grow_and_drops_them_when_it_finishes(kind):
+    """The per-request token copy a lookup keeps (instead of converting the whole list every
+    step) follows the list as it grows, mid-prefill (num_valid short of it) included, starts
+    afresh for a different sequence under the same id, and is dropped at the finish; the
+    drafts are the ones the list itself gives."""
+    from tailserve.speculative.proposer import NgramProposer, ProposalInput
+
+    p = SuffixProposer() if kind == "suffix" else NgramProposer(1, 3)
+    rng = np.random.default_rng(0)
+    toks = [int(t) for t in rng.integers(0, 50, 40)]
+
+    def inp(rid: str, tokens: list[int], valid: int) -> ProposalInput:
+        return ProposalInput(rid, tokens, 0, valid, [], 4, SamplingParams(), None)
+
+    assert p.tokens_of(inp("a", toks, 30)).tolist() == toks[:30]  # mid-prefill
+    for _ in range(100):  # decode: one to several tokens a step, past the first buffer's size
+        toks += [int(t) for t in rng.integers(0, 50, int(rng.integers(1, 4)))]
+        got = p.propose_input(inp("a", toks, len(toks)))
+        assert p.tokens_of(inp("a", toks, len(toks))).tolist() == toks
+        assert got == p.propose_one(list(toks), 4)
+    other = [int(t) for t in rng.integers(50, 100, len(toks) + 20)]  # the same id, another (longer) sequence
+    assert p.tokens_of(inp("a", other, len(other))).tolist() == other
+    p.observe_finished("a", other, 10)
+    assert "a" not in p._copies
+
+
 def test_the_draft_is_at_most_the_spec_factor_times_the_match():
     p = SuffixProposer(SuffixConfig(max_spec_factor=1.0))
     # Only the last token (9) matches earlier text: a one-token match earns one draft.
@@ -66,7 +93,7 @@ def test_the_global_cache_is_bounded_and_forgets_the_oldest():
 def test_finished_requests_feed_the_global_cache_with_their_prompt_tail():
     p = SuffixProposer(SuffixConfig(max_spec_factor=8.0))
     prompt = list(range(100, 200))  # 100 tokens: the last 64 are kept
-    p.observe_finished([*prompt, 7, 8, 9, 10], len(prompt))
+    p.observe_finished("r0", [*prompt, 7, 8, 9, 10], len(prompt))
     assert p.cache.num_tokens == 64 + 4
     assert p.propose_one([1, 2, 196, 197, 198, 199], k=8) == [7, 8, 9, 10]
     assert p.num_global_drafts == 1

@@ -150,7 +150,7 @@ class ModelRunner:
         for rid in finished_ids:
             st = self.requests.pop(rid, None)
             if st is not None and proposer is not None:
-                proposer.observe_finished(st.token_ids, st.num_prompt_tokens)  # suffix decoding's global cache
+                proposer.observe_finished(rid, st.token_ids, st.num_prompt_tokens)  # suffix decoding's global cache
                 self._cache_changed = True
 
     # -- warm-up -------------------------------------------------------------------------------

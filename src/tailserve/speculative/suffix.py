@@ -164,13 +164,14 @@ class SuffixProposer(LookupProposer):
     """Suffix decoding: the request's own text and the global cache, the better draft."""
 
     def __init__(self, cfg: SuffixConfig | None = None) -> None:
+        super().__init__()
         self.cfg = cfg or SuffixConfig()
         self.cache = SuffixCache(self.cfg)
         self.num_global_drafts = 0  # rounds whose draft came from the global cache
         self.num_local_drafts = 0
 
-    def propose_one(self, tokens: list[int], k: int) -> list[int]:
-        if k <= 0 or not tokens:
+    def propose_one(self, tokens: list[int] | np.ndarray, k: int) -> list[int]:
+        if k <= 0 or len(tokens) == 0:
             return []
         arr = np.asarray(tokens, dtype=np.int64)
         pattern = arr[-self.cfg.max_depth:]
@@ -184,8 +185,9 @@ class SuffixProposer(LookupProposer):
             self.num_local_drafts += 1
         return local
 
-    def observe_finished(self, token_ids: list[int], num_prompt_tokens: int) -> None:
+    def observe_finished(self, request_id: str, token_ids: list[int], num_prompt_tokens: int) -> None:
         """A finished request's text joins the global cache: the prompt's end, then the output."""
+        self.forget(request_id)
         self.cache.add(token_ids[max(num_prompt_tokens - PROMPT_TAIL_TOKENS, 0):])
 
     def cache_figures(self) -> SuffixCacheFigures | None:
