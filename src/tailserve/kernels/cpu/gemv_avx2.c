@@ -505,6 +505,24 @@ static inline __attribute__((always_inline)) void weigh_values(
     }
 }
 
+/* Softmax numerators in place over each head's n scores (rows pst apart), given the heads'
+ * maxima in mx, which then hold the normalisers (1 / the sums). */
+static inline __attribute__((always_inline)) void softmax_heads(float* p, long pst, long n, long G, float* mx) {
+    for (long g = 0; g < G; g++) {
+        float* pg = p + g * pst;
+        __m256 mv = _mm256_set1_ps(mx[g]), sv = _mm256_setzero_ps();
+        long j = 0;
+        for (; j + 8 <= n; j += 8) {
+            __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(pg + j), mv));
+            _mm256_storeu_ps(pg + j, e);
+            sv = _mm256_add_ps(sv, e);
+        }
+        float sum = hsum8(sv);
+        for (; j < n; j++) { pg[j] = expf(pg[j] - mx[g]); sum += pg[j]; }
+        mx[g] = 1.0f / sum;
+    }
+}
+
 /* One (sequence, KV head) of attend_paged; p: G x (max_ctx + 8) scores, mx: G floats. */
 static inline __attribute__((always_inline)) void attend_item(
         const float* q, const void* k_cache, const void* v_cache, const int32_t* block_tables, long bt_stride,
@@ -553,19 +571,7 @@ static inline __attribute__((always_inline)) void attend_item(
             }
         }
     }
-    for (long g = 0; g < G; g++) {  /* softmax numerators and sums, per head */
-        float* pg = p + g * (max_ctx + 8);
-        __m256 mv = _mm256_set1_ps(mx[g]), sv = _mm256_setzero_ps();
-        long j = 0;
-        for (; j + 8 <= n; j += 8) {
-            __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(pg + j), mv));
-            _mm256_storeu_ps(pg + j, e);
-            sv = _mm256_add_ps(sv, e);
-        }
-        float sum = hsum8(sv);
-        for (; j < n; j++) { pg[j] = expf(pg[j] - mx[g]); sum += pg[j]; }
-        mx[g] = 1.0f / sum;  /* reused: the normaliser */
-    }
+    softmax_heads(p, max_ctx + 8, n, G, mx);
     /* Weighted values, one cache block at a time: the block's value rows (block_size x D)
      * stay in L1 while every head of the group and every 64-wide slice of D takes its
      * sum over them in eight register accumulators, added to the output once per block.
@@ -782,19 +788,7 @@ static inline __attribute__((always_inline)) void attend_item_split(
         float hm = _mm_cvtss_f32(h);
         if (hm > mx[g]) mx[g] = hm;
     }
-    for (long g = 0; g < G; g++) {  /* softmax numerators and sums, per head */
-        float* pg = p + g * pst;
-        __m256 mv = _mm256_set1_ps(mx[g]), acc = _mm256_setzero_ps();
-        long j = 0;
-        for (; j + 8 <= n; j += 8) {
-            __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(pg + j), mv));
-            _mm256_storeu_ps(pg + j, e);
-            acc = _mm256_add_ps(acc, e);
-        }
-        float sum = hsum8(acc);
-        for (; j < n; j++) { pg[j] = expf(pg[j] - mx[g]); sum += pg[j]; }
-        mx[g] = 1.0f / sum;
-    }
+    softmax_heads(p, pst, n, G, mx);
     for (long pos0 = start; pos0 < ctx;) {  /* weighted values, one cache block at a time */
         long blk = pos0 / block_size, off0 = pos0 - blk * block_size;
         long stop = (blk + 1) * block_size < ctx ? (blk + 1) * block_size : ctx;
