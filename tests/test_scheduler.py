@@ -390,6 +390,49 @@ def test_seeded_sampled_requests_take_the_controllers_k_like_everyone_else():
         assert {q.request_id: q.num_lookahead_tokens for q in out.scheduled} == {"seeded": chosen, "greedy": chosen}
 
 
+def test_a_lookup_drafts_nothing_where_the_next_step_computes_a_prompt():
+    """With a lookup proposer (adaptive k), no draft slots are reserved while a prompt is
+    left unfinished by the step or a waiting request has a slot to take: the drafts would be
+    verified beside that prompt's chunk. A waiting request with no free slot does not hold them
+    back, nor does anything hold back a draft model's (it would pay a catch-up) or a fixed k."""
+    from tailserve.speculative.adaptive import AdaptiveSpeculation
+
+    def sched(hold: bool, max_seqs: int = 8, fixed: bool = False) -> Scheduler:
+        ctl = AdaptiveSpeculation(k_max=3, fixed_k=3 if fixed else None, hold_beside_prompts=hold)
+        ctl.choose_k = lambda *args, **kwargs: 3
+        # A step computes at most 8 tokens: a's decode with its 3 drafts takes 4.
+        return Scheduler(SchedulerConfig(max_seqs, 8, True), BlockPool(64, 4, False), ctl)
+
+    def lookahead(s: Scheduler) -> dict[str, int]:
+        out = s.schedule()
+        looked = {q.request_id: q.num_lookahead_tokens for q in out.scheduled if q.sample}
+        drafts = {q.request_id: [7] * q.num_lookahead_tokens for q in out.scheduled if q.num_lookahead_tokens}
+        s.update(out, ModelRunnerOutput({q.request_id: [5] for q in out.scheduled if q.sample},
+                                        draft_token_ids=drafts, draft_caps={r: len(d) for r, d in drafts.items()}))
+        return looked
+
+    for hold, want in ((True, 0), (False, 3)):
+        s = sched(hold)
+        s.add_request(req("a", 6, max_tokens=40))
+        assert lookahead(s) == {"a": 3}  # alone: nothing to prefill next
+        s.add_request(req("long", 12, max_tokens=40))  # 12 prompt tokens, 4 a step beside a
+        assert lookahead(s) == {"a": want}  # long's prompt unfinished after this step
+        lookahead(s)
+        assert lookahead(s) == {"a": 3, "long": 3}  # its last chunk: nothing to prefill next
+        assert lookahead(s) == {"a": 3, "long": 3}
+    # The batch is full: the waiting request cannot be admitted next step.
+    s = sched(True, max_seqs=1)
+    s.add_request(req("a", 6, max_tokens=40))
+    s.add_request(req("b", 6, max_tokens=40))
+    assert lookahead(s) == {"a": 3} and lookahead(s) == {"a": 3}
+    # A fixed k is the user's: it drafts beside prompts too.
+    s = sched(True, fixed=True)
+    s.add_request(req("a", 6, max_tokens=40))
+    lookahead(s)
+    s.add_request(req("long", 12, max_tokens=40))
+    assert lookahead(s) == {"a": 3}
+
+
 def test_the_goodput_objective_sees_each_requests_decode_so_far_and_the_waiting_ages():
     """What the controller weighs per step (SloState): decoding requests' seconds since their
     first token, tokens after it and tokens it may still generate; requests without a first

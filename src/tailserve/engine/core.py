@@ -91,6 +91,7 @@ class EngineCore:
             speculation = AdaptiveSpeculation(k_max=config.num_speculative_tokens or config.speculative_max_tokens,
                                               fixed_k=config.num_speculative_tokens,
                                               max_rows=info.plan.max_verify_rows,
+                                              hold_beside_prompts=info.lookup_proposer,
                                               cost_profile=info.verify_costs,
                                               objective=config.speculative_objective,
                                               slo=parse_slo(config.slo) if config.slo is not None else None)

@@ -407,6 +407,8 @@ class Scheduler:
             decode_only = decode_only and not s.is_prefill
         if decode_only and num_decoding and spec.take_quiet_step(num_decoding, greedy):
             return  # one more quiet step of k = 0 (out.spec_round stays None): nothing to decide
+        if spec.hold_beside_prompts and spec.fixed_k is None and self._prompt_next(out, chosen):
+            return  # a lookup drafts nothing beside a prompt's chunk (out.spec_round stays None)
         # Both built only where the policy reads them (the SLO state cost ~16 us a step at batch
         # 8, 2 AVX2 cores, read only by a goodput decision, not by a held or ruled-out bucket).
         slo_state = (lambda: self._slo_state(out, chosen)) if spec.objective == "goodput" else None
@@ -431,6 +433,13 @@ class Scheduler:
             if not self._try_allocate(req, s.start_pos + s.num_tokens + kk):
                 continue
             out.scheduled[idx] = dataclasses.replace(s, num_lookahead_tokens=kk)
+
+    def _prompt_next(self, out: SchedulerOutput, chosen: list[Request]) -> bool:
+        """Whether the next step will likely compute prompt tokens: a prompt this step leaves
+        unfinished, or a waiting request with a free slot to take (blocks permitting)."""
+        if self.waiting and len(self.running) < self.config.max_num_seqs:
+            return True
+        return any(s.start_pos + s.num_tokens < req.num_prompt_tokens for s, req in zip(out.scheduled, chosen))
 
     def _slo_state(self, out: SchedulerOutput, chosen: list[Request]) -> SloState:
         """Per decoding request its decode so far and the most tokens it may still generate;

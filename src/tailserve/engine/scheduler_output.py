@@ -226,6 +226,9 @@ class WorkerInfo:
     graph_capture_s: float | None
     has_proposer: bool
     plan: TargetPlan
+    # The proposer looks drafts up in text (n-gram, suffix; not hybrid, whose draft model
+    # catches up): ``AdaptiveSpeculation.hold_beside_prompts``.
+    lookup_proposer: bool = False
     num_fused_layers: int = 0
     # Verification's cost by batch size and k, measured at start-up for adaptive speculation
     # (None: no proposer, a fixed k, or tensor parallelism).

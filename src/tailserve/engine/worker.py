@@ -196,7 +196,8 @@ class Worker:
             dtype_reason=self.dtype_reason, device=device, allocator_settings=self.allocator_settings,
             memory_profile=self.memory_profile, decode_graph_sizes=tuple(sorted(self.runner.decode_graphs)),
             graph_capture_s=self.graph_capture_s, has_proposer=proposer is not None, plan=plan,
-            num_fused_layers=self.num_fused_layers, verify_costs=self.verify_costs)
+            num_fused_layers=self.num_fused_layers, verify_costs=self.verify_costs,
+            lookup_proposer=proposer is not None and not proposer.uses_draft_kv)
 
     PROFILE_MAX_BATCH = 64
 
