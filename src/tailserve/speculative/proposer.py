@@ -95,10 +95,10 @@ class LookupProposer:
     """A proposer that looks drafts up in text (``propose_one(tokens, k)``): no model, one-hot
     q, nothing to catch up on. The n-gram and suffix proposers share this.
 
-    Each request's tokens are kept as a NumPy array grown by what each step added: converting
-    the whole list every step cost ~100 us at a 7,000-token context (2 Xeon cores), 8% of a
-    1.25 ms decode step, paid on every step that drafts or tries to, so at long contexts a
-    lookup that found nothing still read ~10% under speculation off."""
+    Each request's tokens are kept as a NumPy array grown by what each step added: at a
+    7,000-token context (2 Xeon cores) a suffix proposal from the list took 155 us, 100 of them
+    converting the whole list, on every step that drafts or tries to (a decode step there is
+    ~1.25 ms); from the kept array, 45 us."""
 
     uses_draft_kv = False
     needs_draft_probs = False
