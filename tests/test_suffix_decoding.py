@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from tailserve.sampling_params import SamplingParams
-from tailserve.speculative.suffix import SuffixCache, SuffixConfig, SuffixProposer
+from tailserve.speculative.suffix import GLOBAL, LOCAL, DraftCalibration, SuffixCache, SuffixConfig, SuffixProposer
 
 
 def _cache_draft(cache: SuffixCache, context: list[int], k: int = 8) -> list[int]:
-    return cache.draft(np.asarray(context[-cache.cfg.max_depth:], dtype=np.int64), k)[0]
+    return cache.draft(np.asarray(context[-cache.cfg.max_depth:], dtype=np.int64), k).tokens
 
 
 # -- the rule, alone ------------------------------------------------------------------------------
@@ -33,7 +33,9 @@ def test_a_lookup_keeps_each_requests_tokens_as_they_grow_and_drops_them_when_it
     drafts are the ones the list itself gives."""
     from tailserve.speculative.proposer import NgramProposer, ProposalInput
 
-    p = SuffixProposer() if kind == "suffix" else NgramProposer(1, 3)
+    # (No minimum probability: the calibration then holds no draft back, and a lookup on the
+    # list drafts what one on the kept copy drafts.)
+    p = SuffixProposer(SuffixConfig(min_token_prob=0.0)) if kind == "suffix" else NgramProposer(1, 3)
     rng = np.random.default_rng(0)
     toks = [int(t) for t in rng.integers(0, 50, 40)]
 
@@ -97,6 +99,67 @@ def test_finished_requests_feed_the_global_cache_with_their_prompt_tail():
     assert p.cache.num_tokens == 64 + 4
     assert p.propose_one([1, 2, 196, 197, 198, 199], k=8) == [7, 8, 9, 10]
     assert p.num_global_drafts == 1
+
+
+def _input(rid: str, tokens: list[int], k: int = 8):
+    from tailserve.speculative.proposer import ProposalInput
+
+    return ProposalInput(rid, tokens, 0, len(tokens), [], k, SamplingParams(), None)
+
+
+def test_the_next_tokens_calibrate_the_drafts_of_their_source_and_match_length():
+    """A draft's next tokens say how many of it the target kept (a one-hot q accepts a draft
+    token exactly when the target's token equals it); the factor on that (source, match
+    length)'s probabilities is (accepted + 2 f) / (expected + 2), f the factor of all buckets
+    pooled, where a bucket without drafts yet stands. Tokens not yet generated are left out
+    of the expectation."""
+    p = SuffixProposer()
+    ctx = [5, 6, 7, 8, 5, 6, 7, 8, 9, 5, 6, 7]  # "5 6 7" matches twice: 8 follows both
+    draft = p.propose_input(_input("r", ctx, k=3))
+    assert draft == [8, 5, 6]  # 8 follows both occurrences, then 5 or 9 (a tie: the smaller id), then 6
+    assert p._pending["r"].draft.cum_probs == [1.0, 0.5, 0.5]
+    p.propose_input(_input("r", [*ctx, 8, 9, 1], k=3))  # the target kept 8, then took 9: one accepted
+    bucket = DraftCalibration.bucket(3)
+    assert p.calibration.accepted[LOCAL, bucket] == 1 and p.calibration.expected[LOCAL, bucket] == 2.0
+    pooled = (1 + 2) / (2 + 2)
+    assert p.calibration.scales[LOCAL, bucket] == pytest.approx((1 + 2 * pooled) / (2 + 2))
+    assert p.calibration.scales[GLOBAL, bucket] == pytest.approx(pooled)  # no drafts there yet
+    q = SuffixProposer()
+    q.propose_input(_input("r", ctx, k=3))
+    q.propose_input(_input("r", [*ctx, 8], k=3))  # one token so far, the draft's first: decided 1 of 3
+    assert q.calibration.accepted[LOCAL, bucket] == 1 and q.calibration.expected[LOCAL, bucket] == 1.0
+
+
+def test_drafts_the_target_keeps_rejecting_stop_except_for_probes_and_accepted_ones_go_on():
+    """Text that does not repeat (ids from a large vocabulary) still matches one token: the
+    occurrences' successors are drafted with probability 0.5-1.0 and the target rejects them.
+    Once calibrated, only one held draft in PROBE_EVERY is made. Text that repeats keeps
+    drafting at full length."""
+    rng = np.random.default_rng(1)
+    p = SuffixProposer()
+    toks = [int(t) for t in rng.integers(0, 1000, 300)]
+    made = []
+    for _ in range(1500):
+        d = p.propose_input(_input("r", toks))
+        made.append(bool(d))
+        nxt = int(rng.integers(0, 1000))
+        while d and nxt == d[0]:  # the target never takes the draft
+            nxt = int(rng.integers(0, 1000))
+        toks.append(nxt)
+    assert sum(made[:20]) >= 3  # not calibrated yet: a token seen before drafts what followed it
+    late = sum(made[-1000:])
+    assert 0 < late < 1000 / DraftCalibration.PROBE_EVERY + 15, late
+    assert p.calibration.scales[LOCAL, 0] < 0.2
+    # Repeating text: every draft accepted, the factor at or above 1, drafts as long as k.
+    r = SuffixProposer(SuffixConfig(max_spec_factor=4.0))
+    period = [int(t) for t in rng.integers(0, 1000, 40)]
+    toks = period * 2
+    lengths = []
+    for _ in range(200):
+        d = r.propose_input(_input("s", toks))
+        lengths.append(len(d))
+        toks.append(period[len(toks) % 40])
+    assert min(lengths[-100:]) == 8 and r.calibration.scales[LOCAL].min() >= 1.0
 
 
 # -- the engine -----------------------------------------------------------------------------------

@@ -21,6 +21,17 @@ occurs; it holds at most ``max_requests`` requests and is compacted when a quart
 evicted. Why not ``arctic_inference.SuffixDecodingCache`` (vLLM's): the registry has it only
 as a source package whose build needs cmake, nanobind, protobuf, grpcio-tools and torch in an
 isolated build environment (a multi-GB CUDA torch download here), and it ships as a vLLM plugin.
+
+The empirical probabilities are calibrated by what the target then accepted (``DraftCalibration``):
+a one-token match in text that does not repeat (a long prompt of ids that rarely recur) finds
+an occurrence or two and drafts what followed them with probability 0.5-1.0, of which the
+target accepted 19 in 507 (four 7,000-token random prompts, k = 8, 2 Xeon cores: TPOT 3.30 ms
+against 2.06 with speculation off); each such draft is a verification row, about a layer's
+attention at that context, for nothing. Per source and match length, accepted drafts over the
+tokens the probabilities expected scale the probabilities before ``min_token_prob`` is
+applied, so a match length whose drafts the target keeps rejecting stops drafting (there: 37
+drafts, TPOT 2.21-2.30 ms against 1.94-1.97), and one whose drafts do better than their
+counts say drafts longer.
 """
 
 from __future__ import annotations
@@ -31,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tailserve.speculative.proposer import LookupProposer
+from tailserve.speculative.proposer import LookupProposer, ProposalInput
 
 # Prompt tokens kept before each cached output: enough for a repeated request's context to
 # match into its earlier output from the first step.
@@ -59,10 +70,78 @@ class SuffixConfig:
     max_requests: int = 4096  # finished requests kept in the global cache
 
 
+# Match lengths the calibration tells apart; longer matches share the last bucket.
+CALIBRATED_MATCH_LENGTHS = 8
+LOCAL, GLOBAL = 0, 1  # draft sources: the request's own text, the global cache
+
+
+class DraftCalibration:
+    """How each (source, match length)'s drafts fared: the tokens the target accepted over the
+    tokens the empirical probabilities expected (the sum of a draft's cumulative
+    probabilities), as a factor on those probabilities.
+
+    A request's next tokens say how its last draft fared whatever the sampling (with a
+    one-hot q a draft token is accepted exactly when the target's token equals it), so the
+    proposer needs no report from the verifier. A bucket's factor is (accepted + PRIOR x f) /
+    (expected + PRIOR), where f is the factor of all buckets pooled, (accepted + PRIOR) /
+    (expected + PRIOR) summed over them: a bucket without drafts yet starts where the others
+    stand (the probabilities as counted, before any draft), so a text that defeats one-token
+    matches does not teach each source and match length the same lesson again (on 7,000-token
+    random prompts, 20-35 drafts a bucket before it held back, six buckets in use). Evidence
+    decays by DECAY per observed draft in its bucket (about the last 50 count). A bucket whose
+    factor holds every draft still drafts one in PROBE_EVERY, unscaled, so the factor follows
+    the text when it changes."""
+
+    PRIOR = 2.0
+    DECAY = 0.98
+    PROBE_EVERY = 32
+
+    def __init__(self) -> None:
+        shape = (2, CALIBRATED_MATCH_LENGTHS)
+        self.accepted = np.zeros(shape)
+        self.expected = np.zeros(shape)
+        self.scales = np.ones(shape)  # (source, bucket) -> factor on the probabilities
+        self.num_held = np.zeros(shape, dtype=np.int64)  # drafts the factor held back
+        self.num_observed = np.zeros(shape, dtype=np.int64)
+
+    @staticmethod
+    def bucket(match_len: int) -> int:
+        return min(match_len, CALIBRATED_MATCH_LENGTHS) - 1
+
+    def observe(self, source: int, bucket: int, expected: float, accepted: int) -> None:
+        self.accepted[source, bucket] = self.DECAY * self.accepted[source, bucket] + accepted
+        self.expected[source, bucket] = self.DECAY * self.expected[source, bucket] + expected
+        pooled = (self.accepted.sum() + self.PRIOR) / (self.expected.sum() + self.PRIOR)
+        self.scales = (self.accepted + self.PRIOR * pooled) / (self.expected + self.PRIOR)
+        self.num_observed[source, bucket] += 1
+
+    def hold(self, source: int, bucket: int) -> bool:
+        """A draft the factor would hold back: True, except for one in PROBE_EVERY."""
+        self.num_held[source, bucket] += 1
+        return self.num_held[source, bucket] % self.PROBE_EVERY != 0
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A lookup's draft: its tokens, their cumulative empirical probabilities (unscaled), the
+    length of the match it came from, its source, and its score (the calibrated expected
+    accepted length)."""
+
+    tokens: list[int]
+    cum_probs: list[float]
+    match_len: int
+    source: int
+    score: float
+
+
+_NO_DRAFT = Draft([], [], 0, LOCAL, 0.0)
+
+
 def _walk(tokens: np.ndarray, ends: np.ndarray, pattern: np.ndarray, k: int,
-          cfg: SuffixConfig) -> tuple[list[int], float]:
+          cfg: SuffixConfig, source: int = LOCAL, calibration: DraftCalibration | None = None) -> Draft:
     """Draft from ``tokens`` given ``ends``, the positions where ``pattern[-1]`` occurs (each
-    with a successor): (drafts, score)."""
+    with a successor). With a calibration, the probabilities are scaled by its factor for
+    this source and match length before ``min_token_prob`` applies."""
     m = 1
     while m < len(pattern) and ends.size:
         prev = ends - m
@@ -73,9 +152,14 @@ def _walk(tokens: np.ndarray, ends: np.ndarray, pattern: np.ndarray, k: int,
         ends = keep
         m += 1
     if not ends.size:
-        return [], 0.0
+        return _NO_DRAFT
+    scale = 1.0
+    if calibration is not None:
+        bucket = DraftCalibration.bucket(m)
+        scale = float(calibration.scales[source, bucket])
     limit = min(k, int(cfg.max_spec_factor * m))
     draft: list[int] = []
+    cum: list[float] = []
     prob, score = 1.0, 0.0
     n = len(tokens)
     while len(draft) < limit:
@@ -87,13 +171,20 @@ def _walk(tokens: np.ndarray, ends: np.ndarray, pattern: np.ndarray, k: int,
         values, counts = np.unique(nxt[valid], return_counts=True)
         best = int(np.argmax(counts))
         prob *= counts[best] / int(valid.sum())
-        if prob < cfg.min_token_prob:
-            break
+        scaled = min(prob * scale, 1.0)
+        if scaled < cfg.min_token_prob:
+            if draft or calibration is None or prob < cfg.min_token_prob:
+                break
+            # Only the calibration holds this draft: one in PROBE_EVERY goes ahead, unscaled.
+            if calibration.hold(source, bucket):
+                break
+            scale, scaled = 1.0, prob
         tok = int(values[best])
         draft.append(tok)
-        score += prob
+        cum.append(float(prob))
+        score += scaled
         ends = ends[nxt == tok] + 1
-    return draft, score
+    return Draft(draft, cum, m, source, score)
 
 
 class SuffixCache:
@@ -150,40 +241,86 @@ class SuffixCache:
             self._tokens.append(-1)
             self._spans.append((start, start + e - s))
 
-    def draft(self, pattern: np.ndarray, k: int) -> tuple[list[int], float]:
+    def draft(self, pattern: np.ndarray, k: int, calibration: DraftCalibration | None = None) -> Draft:
         where = self._where.get(int(pattern[-1]))
         if where is None or not self.num_requests:
-            return [], 0.0
+            return _NO_DRAFT
         ends = np.frombuffer(where, dtype=np.int32).astype(np.int64)
         ends = ends[ends >= self._base]
         tokens = np.frombuffer(self._tokens, dtype=np.int32)
-        return _walk(tokens, ends, pattern, k, self.cfg)
+        return _walk(tokens, ends, pattern, k, self.cfg, GLOBAL, calibration)
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A request's last draft, until its next tokens say how it fared."""
+
+    start: int  # the context's length when drafted: the draft's first token's position
+    draft: Draft
 
 
 class SuffixProposer(LookupProposer):
-    """Suffix decoding: the request's own text and the global cache, the better draft."""
+    """Suffix decoding: the request's own text and the global cache, the better draft, its
+    probabilities calibrated by how the drafts before it fared."""
 
     def __init__(self, cfg: SuffixConfig | None = None) -> None:
         super().__init__()
         self.cfg = cfg or SuffixConfig()
         self.cache = SuffixCache(self.cfg)
+        self.calibration = DraftCalibration()
+        self._pending: dict[str, _Pending] = {}
         self.num_global_drafts = 0  # rounds whose draft came from the global cache
         self.num_local_drafts = 0
 
-    def propose_one(self, tokens: list[int] | np.ndarray, k: int) -> list[int]:
+    def best_draft(self, tokens: list[int] | np.ndarray, k: int) -> Draft:
         if k <= 0 or len(tokens) == 0:
-            return []
+            return _NO_DRAFT
         arr = np.asarray(tokens, dtype=np.int64)
         pattern = arr[-self.cfg.max_depth:]
         ends = np.flatnonzero(arr[:-1] == arr[-1])  # earlier occurrences, each with a successor
-        local, local_score = _walk(arr, ends, pattern, k, self.cfg) if ends.size else ([], 0.0)
-        glob, glob_score = self.cache.draft(pattern, k)
-        if glob_score > local_score:
+        local = _walk(arr, ends, pattern, k, self.cfg, LOCAL, self.calibration) if ends.size else _NO_DRAFT
+        glob = self.cache.draft(pattern, k, self.calibration)
+        if glob.score > local.score:
             self.num_global_drafts += 1
             return glob
-        if local:
+        if local.tokens:
             self.num_local_drafts += 1
         return local
+
+    def propose_one(self, tokens: list[int] | np.ndarray, k: int) -> list[int]:
+        return self.best_draft(tokens, k).tokens
+
+    def propose_input(self, inp: ProposalInput) -> list[int]:
+        if inp.k <= 0:
+            return []
+        arr = self.tokens_of(inp)
+        pending = self._pending.pop(inp.request_id, None)
+        if pending is not None:
+            self._settle(pending, arr)
+        draft = self.best_draft(arr, inp.k)
+        if draft.tokens:
+            if len(self._pending) >= self.MAX_TOKEN_COPIES:
+                self._pending.clear()
+            self._pending[inp.request_id] = _Pending(len(arr), draft)
+        return draft.tokens
+
+    def _settle(self, pending: _Pending, arr: np.ndarray) -> None:
+        """Calibrate by how the pending draft fared: the tokens at its positions now."""
+        d = pending.draft
+        new = arr[pending.start:pending.start + len(d.tokens)]
+        if not new.size:
+            return  # the sequence has not moved on (or is another one): nothing to learn
+        same = new == np.asarray(d.tokens[:new.size])
+        accepted = int(same.size if same.all() else np.argmin(same))
+        # Decided: a token that differs ends the draft's acceptance; otherwise only the
+        # positions that have tokens are (the rest, not yet generated, are left out).
+        decided = len(d.tokens) if accepted < new.size else new.size
+        self.calibration.observe(d.source, DraftCalibration.bucket(d.match_len),
+                                 sum(d.cum_probs[:decided]), accepted)
+
+    def forget(self, request_id: str) -> None:
+        super().forget(request_id)
+        self._pending.pop(request_id, None)
 
     def observe_finished(self, request_id: str, token_ids: list[int], num_prompt_tokens: int) -> None:
         """A finished request's text joins the global cache: the prompt's end, then the output."""
