@@ -25,8 +25,8 @@ isolated build environment (a multi-GB CUDA torch download here), and it ships a
 The empirical probabilities are calibrated by what the target then accepted (``DraftCalibration``):
 a one-token match in text that does not repeat (a long prompt of ids that rarely recur) finds
 an occurrence or two and drafts what followed them with probability 0.5-1.0, of which the
-target accepted 19 in 507 (four 7,000-token random prompts, k = 8, 2 Xeon cores: TPOT 3.30 ms
-against 2.06 with speculation off); each such draft is a verification row, about a layer's
+target accepted 19 in 507 (four 7,000-token random prompts, k = 8, 2 Xeon cores: TPOT
+3.11-3.30 ms against 1.91-2.06 with speculation off); each such draft is a verification row, about a layer's
 attention at that context, for nothing. Per source and match length, accepted drafts over the
 tokens the probabilities expected scale the probabilities before ``min_token_prob`` is
 applied, so a match length whose drafts the target keeps rejecting stops drafting (there: 37
