@@ -450,7 +450,31 @@ def test_panel_packed_weights_multiply_every_batch_through_the_kernel():
     for i in (0, 63, 199):
         assert torch.equal(layer.forward(x[i : i + 1])[0], full[i])
     with pytest.raises(ValueError, match="panel-packed"):
-        CpuCompactWeightsLinearMethod(torch.bfloat16, KERNELS, native_large_batches=True, panel_packed=True)
+        CpuCompactWeightsLinearMethod(torch.bfloat16, KERNELS, keep_float32=True, panel_packed=True)
+
+
+@needs_kernels
+def test_panels_beside_rows_multiply_prompt_steps_natively_and_every_other_batch_in_panels():
+    """With native products as well, the layer keeps the row-major bf16 weight for them: a
+    prompt step's batch above 16 rows is the native bf16 product, bit for bit, and every other
+    batch (decode, verification, a small prompt) goes through the panels, each row as alone."""
+    from tailserve.model.linear import CpuCompactWeightsLinearMethod
+
+    w = torch.randn(40, 64).bfloat16().float()
+    layer = Linear(40, 64, False)
+    layer.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+    layer.set_method(CpuCompactWeightsLinearMethod(torch.bfloat16, KERNELS, native_large_batches=True,
+                                                   panel_packed=True))
+    assert isinstance(layer.qweight, cpu_kernels.PanelPackedWeight) and torch.equal(layer.rweight.float(), w)
+    x = torch.randn(40, 64)
+    decode = layer.forward(x)
+    assert torch.equal(decode[7], layer.forward(x[7:8])[0])  # panels, batch-invariant
+    torch.testing.assert_close(decode, F.linear(x, w), rtol=1e-5, atol=1e-4)
+    with layer.method.native_scope(True):
+        prompt = layer.forward(x)
+        small = layer.forward(x[:16])
+    assert torch.equal(prompt, F.linear(x.bfloat16(), w.bfloat16()).float())
+    assert torch.equal(small[7], decode[7])
 
 
 @needs_kernels

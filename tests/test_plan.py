@@ -205,6 +205,20 @@ def test_bf16_weights_go_in_panels_where_no_native_product_reads_the_rows():
     assert not plan_target(config(), arch(dtype=torch.float16), CPU, AVX2_KERNELS).model.linear.panel_packed
 
 
+def test_with_native_bf16_the_panels_sit_beside_the_rows_where_memory_allows_a_second_copy():
+    """Native prefill reads the rows; decode and verification decode faster from panels, so both
+    are kept while the second copy is at most an eighth of the machine's memory."""
+    weight_bytes = arch().num_parameters * 2
+    roomy = dataclasses.replace(AVX512_KERNELS, memory_bytes=8 * weight_bytes)
+    both = plan_target(config(), arch(), CPU, roomy).model.linear
+    assert both.panel_packed and both.native_large_batches and "beside the rows" in both.reason
+    tight = dataclasses.replace(AVX512_KERNELS, memory_bytes=8 * weight_bytes - 1)
+    rows = plan_target(config(), arch(), CPU, tight).model.linear
+    assert rows.native_large_batches and not rows.panel_packed and "rows only" in rows.reason
+    # A draft keeps a float32 copy (rows); an fp16 checkpoint has no panels at all.
+    assert not plan_target(config(), arch(dtype=torch.float16), CPU, roomy).model.linear.panel_packed
+
+
 @pytest.mark.parametrize("cfg, a, device, caps, want", [
     # --dtype auto over a bf16 checkpoint on the CPU: float32 arithmetic, bf16 weights and K/V.
     (config(), arch(), CPU, AVX2_KERNELS, torch.bfloat16),

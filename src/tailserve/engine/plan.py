@@ -57,6 +57,7 @@ class Capabilities:
     # TRITON_INTERPRET=1: Triton runs its kernels on the CPU (tests); without it a Triton kernel
     # handed CPU tensors fails at its first launch.
     triton_interpreter: bool = False
+    memory_bytes: int = 0  # the machine's physical memory (0: unknown)
 
     @property
     def cpu_capability(self) -> str:
@@ -90,7 +91,15 @@ def detect_capabilities(device: torch.device, want_cpu_kernels: bool = True) -> 
     return Capabilities(cpu_flags=cpu_flags(), cpu_kernels=kernels_ok, cpu_kernels_reason=reason,
                         onednn=device.type == "cpu" and onednn_available(), cuda=cuda,
                         cuda_capability=torch.cuda.get_device_capability(device) if cuda else None,
-                        triton=has_triton, triton_interpreter=os.environ.get("TRITON_INTERPRET") == "1")
+                        triton=has_triton, triton_interpreter=os.environ.get("TRITON_INTERPRET") == "1",
+                        memory_bytes=_physical_memory_bytes())
+
+
+def _physical_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system that reports it
+        return 0
 
 
 @dataclass(frozen=True)
@@ -103,7 +112,8 @@ class LinearPlan:
     native_large_batches: batches above the kernel's rows multiply in the compact dtype (a CPU
     with native bf16/fp16 products);
     panel_packed: bf16 weights re-laid in 16-column panels, every batch through the
-    outer-product kernel (a CPU without native bf16);
+    outer-product kernel (a CPU without native bf16); with native_large_batches as well, every
+    batch but a prompt step's, whose native products read a row-major copy kept beside;
     cpu_kernels: small int8 batches through the compiled kernel."""
 
     method: str
@@ -247,8 +257,15 @@ class TargetPlan:
         return out
 
 
+# Panels beside the rows (a CPU with native bf16 products) while the second copy takes at most
+# this share of the machine's memory.
+PANEL_COPY_MAX_MEMORY_SHARE = 1 / 8
+
+
 def _linear_plan(device: torch.device, dtype: torch.dtype, checkpoint_dtype: torch.dtype, config: EngineConfig,
-                 caps: Capabilities, quantization: str | None, keep_float32: bool = False) -> LinearPlan:
+                 caps: Capabilities, quantization: str | None, keep_float32: bool = False,
+                 weight_bytes: int = 0) -> LinearPlan:
+    """``weight_bytes``: the checkpoint's weights in its own dtype (what a second copy costs)."""
     cpu = device.type == "cpu"
     kernels = cpu and config.cpu_kernels and caps.cpu_kernels
     if quantization == "int8":
@@ -264,14 +281,31 @@ def _linear_plan(device: torch.device, dtype: torch.dtype, checkpoint_dtype: tor
         # Without native bf16 products, bf16 weights go in the outer-product kernel's panel
         # layout for every batch size: at 16 rows and up ~90% of the FMA peak against 65-80%
         # for the row-major kernel, batch 1 at least as fast (2 AVX2 cores, docs/benchmarks.md).
-        # Native prefill (and a kept float32 copy) read the row layout, so they keep it.
-        panels = checkpoint_dtype == torch.bfloat16 and not native and not keep_float32
+        # Native prefill (and a kept float32 copy) read the row layout. With native products
+        # the panels still decode faster (2 Xeon cores, AVX-512 bf16, built-in target: batch 1
+        # 1.04-1.05x, 4 1.06-1.07x, 16 1.15-1.17x, repeated suffix decoding 2.32-2.44x -> 2.58-2.66x
+        # of plain), while prefill through them is 2-2.5x slower than native (128 tokens
+        # 7.6-8.0 -> 15.2-16.0 ms): so both layouts are kept where the second copy is small
+        # beside the machine's memory, the rows only for the native products of prompt steps.
+        both = native and checkpoint_dtype == torch.bfloat16 and not keep_float32 and 0 < weight_bytes \
+            <= caps.memory_bytes * PANEL_COPY_MAX_MEMORY_SHARE
+        panels = checkpoint_dtype == torch.bfloat16 and not keep_float32 and (not native or both)
+        layout = ""
+        if both:
+            layout = (f"; panels (16 columns) for decode and verification beside the rows for prefill: "
+                      f"at most {weight_bytes / 2**20:.0f} MiB more, within 1/{round(1 / PANEL_COPY_MAX_MEMORY_SHARE)} "
+                      f"of memory")
+        elif panels:
+            layout = "; re-laid in 16-column panels, every batch through the outer-product kernel"
+        elif native and checkpoint_dtype == torch.bfloat16 and not keep_float32:
+            layout = (f"; rows only (a panel copy for decode would take {weight_bytes / 2**20:.0f} MiB, over "
+                      f"1/{round(1 / PANEL_COPY_MAX_MEMORY_SHARE)} of memory)" if weight_bytes
+                      else "; rows only (the weights' size not given)")
         return LinearPlan("cpu-compact-weights",
                           f"float32 arithmetic over the {_name(checkpoint_dtype)} weights as stored"
                           + (f"; batches above {CpuCompactWeightsLinearMethod.SMALL_BATCH} rows (prefill) in native "
                              f"{_name(checkpoint_dtype)}" if native else "")
-                          + ("; re-laid in 16-column panels, every batch through the outer-product kernel"
-                             if panels else ""),
+                          + layout,
                           compact_dtype=checkpoint_dtype, keep_float32=keep_float32, native_large_batches=native,
                           panel_packed=panels)
     if cpu and config.cpu_onednn and caps.onednn:
@@ -348,7 +382,8 @@ def plan_target(config: EngineConfig, arch: ModelArchConfig, device: torch.devic
             dtype_reason = f"float32: the compiled kernels decode faster than native {_name(arch.dtype)}"
     else:
         dtype, dtype_reason = parse_dtype(config.dtype), "--dtype"
-    linear = _linear_plan(device, dtype, arch.dtype, config, caps, config.quantization)
+    linear = _linear_plan(device, dtype, arch.dtype, config, caps, config.quantization,
+                          weight_bytes=arch.num_parameters * arch.dtype.itemsize)
     if linear.method == "cpu-compact-weights":
         dtype_reason += f"; weights kept in {_name(arch.dtype)} as stored (float32 arithmetic, compiled AVX2 kernels)"
     model = _model_plan(device, dtype, dtype_reason, arch, config, caps, linear, tp_size, config.attention_backend)

@@ -239,15 +239,16 @@ class CpuCompactWeightsLinearMethod(LinearMethod):
 
     def __init__(self, weight_dtype: torch.dtype, kernels, keep_float32: bool = False,
                  native_large_batches: bool = False, panel_packed: bool = False) -> None:
-        if panel_packed and (weight_dtype != torch.bfloat16 or keep_float32 or native_large_batches):
-            raise ValueError("panel-packed weights are bf16, without a float32 copy or native products "
-                             "(both read the row layout)")
+        if panel_packed and (weight_dtype != torch.bfloat16 or keep_float32):
+            raise ValueError("panel-packed weights are bf16, without a float32 copy (it reads the row layout)")
         self.weight_dtype = weight_dtype
         # bf16 weights re-laid in 16-column panels for the outer-product kernel (kernels/cpu
         # PanelPackedWeight), which then multiplies batches of every size: at 16 rows and up
         # 1.25-1.45x the row-major kernel and faster than PyTorch's float32 GEMM over widened
         # weights (2 AVX2 cores, docs/benchmarks.md). Each output sums in k order whatever the
-        # batch, so a row's product is the same alone, in a decode batch, or in a prompt.
+        # batch, so a row's product is the same alone, in a decode batch, or in a prompt. With
+        # native_large_batches as well, the row-major bf16 weight is kept beside the panels for
+        # the native products of prompt steps (``rweight``): two copies of the weights.
         self.panel_packed = panel_packed
         # On a CPU with native bf16 (fp16) products, the forwards of pure prompt steps (inside
         # native_scope(True)) multiply batches above SMALL_BATCH in the weights' own dtype,
@@ -282,18 +283,20 @@ class CpuCompactWeightsLinearMethod(LinearMethod):
             layer.method.process_weights_after_loading(layer)
             return
         layer.qweight = pack_panels(w) if self.panel_packed else w
+        layer.rweight = w if self.panel_packed and self.native_large_batches else None
         if not self.keep_float32:
             layer.weight = nn.Parameter(torch.empty(w.shape, dtype=torch.float32, device="meta"), requires_grad=False)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self.panel_packed or x2.shape[0] <= self.SMALL_BATCH:
-            y = self.kernels.gemm(x2, layer.qweight)
+        if self._native_now and x2.shape[0] > self.SMALL_BATCH:
+            rows = layer.rweight if self.panel_packed else layer.qweight
+            y = F.linear(x2.to(self.weight_dtype), rows).float()
             if layer.bias is not None:
                 y += layer.bias
-        elif self._native_now:
-            y = F.linear(x2.to(self.weight_dtype), layer.qweight).float()
+        elif self.panel_packed or x2.shape[0] <= self.SMALL_BATCH:
+            y = self.kernels.gemm(x2, layer.qweight)
             if layer.bias is not None:
                 y += layer.bias
         elif x2.shape[0] <= self.CHUNKED_MAX_ROWS and not self.keep_float32:
