@@ -21,6 +21,7 @@ engine's own step overhead, which a draft inside speculation does not pay), and 
 (bookkeeping of drafts, output processing of more tokens a step).
 
     TAILSERVE_BENCHMARK=1 python benchmarks/bench_spec_limit.py [--runs 3] [--batches 1] [--json out.json]
+        [--draft-quantization int8]
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--acceptances", type=float, nargs="+", default=[0.5, 0.7, 0.9])
     ap.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--draft-quantization", default=None, choices=["int8"],
+                    help="the draft's weights in int8 (its c measured with the same weights)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     os.environ.setdefault("TAILSERVE_BENCHMARK", "1")
@@ -110,14 +113,15 @@ def main() -> None:
     flags = cpu_flags()
     isa = ("AVX-512" + (" with bf16" if "avx512_bf16" in flags else "")) if "avx512f" in flags else \
         "AVX2" if "avx2" in flags else "no AVX2"
-    print(f"CPU: {isa}, {torch.get_num_threads()} threads; 55M target, 2-layer draft, greedy, 128 tokens; "
+    print(f"CPU: {isa}, {torch.get_num_threads()} threads; 55M target, 2-layer draft"
+          f"{' (int8 weights)' if args.draft_quantization else ''}, greedy, 128 tokens; "
           f"{args.runs} interleaved pairs a cell")
     tmp = tempfile.mkdtemp()
     target = make(os.path.join(tmp, "target"), 8, 0)
     draft = make(os.path.join(tmp, "draft"), 2, 1)
     kv = dict(kv_cache_memory_bytes=512 << 20, max_num_seqs=16)
-    base_llm, draft_llm = LLM(target, **kv), LLM(draft, **kv)
-    out = {"cpu": isa, "runs": args.runs, "cells": []}
+    base_llm, draft_llm = LLM(target, **kv), LLM(draft, quantization=args.draft_quantization, **kv)
+    out = {"cpu": isa, "runs": args.runs, "draft_quantization": args.draft_quantization, "cells": []}
     for b in args.batches:
         warm(base_llm, b)
         warm(draft_llm, b)
@@ -134,7 +138,8 @@ def main() -> None:
         for a in args.acceptances:
             for k in args.ks:
                 llm = LLM(target, speculative_model=draft, num_speculative_tokens=k,
-                          speculative_synthetic_acceptance=a, **kv)
+                          speculative_synthetic_acceptance=a,
+                          speculative_draft_quantization=args.draft_quantization, **kv)
                 warm(llm, b)
                 cell = []
                 for i in range(args.runs):  # each pair in turn off-first and speculative-first

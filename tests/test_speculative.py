@@ -281,6 +281,22 @@ def test_draft_runs_in_its_own_dtype(llama_checkpoint, draft_checkpoint):
         assert (prop.num_numpy_forwards > 0) == (expect == torch.float32)
 
 
+def test_an_int8_draft_drafts_and_greedy_output_is_the_targets(llama_checkpoint, draft_checkpoint):
+    """--speculative-draft-quantization int8: the draft's projections are int8 (its plan says so)
+    and it still drafts what gets accepted, while greedy output stays the target's."""
+    from tailserve.model.linear import Int8WeightOnlyLinearMethod
+
+    path, _ = llama_checkpoint
+    kw = dict(dtype="float32", kv_cache_memory_bytes=4 << 20)
+    ref = [o.token_ids for o in LLM(str(path), **kw).generate(_prompts(), GREEDY)]
+    llm = LLM(str(path), speculative_model=str(draft_checkpoint), num_speculative_tokens=3,
+              speculative_draft_quantization="int8", **kw)
+    assert isinstance(llm.engine.proposer.model.layers[0].self_attn.qkv_proj.method, Int8WeightOnlyLinearMethod)
+    assert llm.engine.health()["plan"]["draft"]["linear"].startswith("int8-weight-only")
+    assert [o.token_ids for o in llm.generate(_prompts(), GREEDY)] == ref
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
+
+
 @pytest.mark.parametrize("kind", ["llama", "llama_tied", "llama_biases", "qwen2", "qwen3", "llama_rope_llama3"])
 def test_numpy_draft_step_matches_pytorch(llama_checkpoint, tmp_path, kind):
     """The NumPy chain step (one sequence) gives the PyTorch path's logits and writes the same

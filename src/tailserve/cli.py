@@ -100,6 +100,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-max-tokens", type=int, default=8, help="upper bound for adaptive k")
     s.add_argument("--speculative-draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="the draft model's dtype (auto: the target's)")
+    s.add_argument("--speculative-draft-quantization", default=None, choices=["int8"],
+                   help="weight-only int8 for the draft model (lossless: only acceptance can change)")
     s.add_argument("--speculative-draft-numpy", action=argparse.BooleanOptionalAction, default=None,
                    help="run a single sequence's draft steps in NumPy on the CPU (float32 draft); "
                         "default: on the CPU for drafts of up to 8M parameters")
@@ -151,6 +153,7 @@ def _engine_kwargs(args: argparse.Namespace, serving: bool = False) -> dict[str,
         speculative_model=args.speculative_model, speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens, speculative_max_tokens=args.speculative_max_tokens,
         speculative_draft_dtype=args.speculative_draft_dtype,
+        speculative_draft_quantization=args.speculative_draft_quantization,
         speculative_draft_stop_margin=args.speculative_draft_stop_margin,
         speculative_draft_numpy=args.speculative_draft_numpy,
         ngram_min=args.ngram_min, ngram_max=args.ngram_max, suffix_max_depth=args.suffix_max_depth,

@@ -295,6 +295,11 @@ class EngineConfig:
     # checkpoint's compact weights; else the target's. Any dtype keeps decoding lossless: only
     # acceptance depends on q.
     speculative_draft_dtype: str = "auto"
+    # Weight-only int8 for the draft model's projections (vLLM: the speculative config's
+    # "quantization"). Lossless like any draft (only acceptance depends on q). On a CPU a draft
+    # step then reads half its bf16 bytes, and the draft pushes fewer of the target's weights
+    # out of the cache between target steps (docs/speculative.md, "Against the analytical limit").
+    speculative_draft_quantization: str | None = None
     # Run a single sequence's draft-chain steps in NumPy (CPU, float32 draft, no sliding
     # window; see speculative/numpy_draft.py). None: when possible, the draft is small (up to
     # NUMPY_DRAFT_MAX_PARAMETERS) and the compiled kernels cannot take it (they are faster on a
@@ -482,6 +487,16 @@ class EngineConfig:
                               f"got {self.speculative_draft_numpy!r}")
         if self.speculative_draft_numpy and not self.device == "cpu":
             raise ConfigError("speculative_draft_numpy runs the draft in NumPy, which needs device cpu")
+        if self.speculative_draft_quantization not in (None, "int8"):
+            raise ConfigError("speculative_draft_quantization must be int8 or unset, "
+                              f"got {self.speculative_draft_quantization!r}")
+        if self.speculative_draft_quantization is not None:
+            if method not in ("draft_model", "hybrid"):
+                raise ConfigError("speculative_draft_quantization quantizes a draft model: it needs "
+                                  "speculative_model (speculative_method draft_model or hybrid)")
+            if self.speculative_draft_numpy:
+                raise ConfigError("speculative_draft_numpy runs float32 weights in NumPy: it cannot take "
+                                  "speculative_draft_quantization int8")
         if self.speculative_draft_numpy and self.speculative_draft_dtype not in ("auto", "float32"):
             raise ConfigError("speculative_draft_numpy needs a float32 draft "
                               f"(speculative_draft_dtype is {self.speculative_draft_dtype!r})")

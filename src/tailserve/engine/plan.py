@@ -264,12 +264,13 @@ PANEL_COPY_MAX_MEMORY_SHARE = 1 / 8
 
 def _linear_plan(device: torch.device, dtype: torch.dtype, checkpoint_dtype: torch.dtype, config: EngineConfig,
                  caps: Capabilities, quantization: str | None, keep_float32: bool = False,
-                 weight_bytes: int = 0) -> LinearPlan:
-    """``weight_bytes``: the checkpoint's weights in its own dtype (what a second copy costs)."""
+                 weight_bytes: int = 0, quantization_flag: str = "--quantization") -> LinearPlan:
+    """``weight_bytes``: the checkpoint's weights in its own dtype (what a second copy costs);
+    ``quantization_flag``: the option that asked for ``quantization`` (for the reason)."""
     cpu = device.type == "cpu"
     kernels = cpu and config.cpu_kernels and caps.cpu_kernels
     if quantization == "int8":
-        return LinearPlan("int8-weight-only", "--quantization int8" + (
+        return LinearPlan("int8-weight-only", f"{quantization_flag} int8" + (
             "; batches of up to 16 rows through the compiled CPU kernel" if kernels and dtype == torch.float32
             else ""), cpu_kernels=kernels)
     # A float32 model of a bf16/fp16 checkpoint on the CPU keeps the weights in the
@@ -520,11 +521,12 @@ def plan_draft(config: EngineConfig, draft_dir: pathlib.Path, arch: ModelArchCon
     # A bf16/fp16 draft checkpoint on a CPU with the compiled kernels runs in float32 over its
     # compact weights, single sequences included: measured on the built-in pair at batch 1
     # (docs/benchmarks.md), greedy 352 tok/s against 291 with the NumPy step.
-    compact = kernels and half and config.speculative_draft_dtype in ("auto", "float32")
+    quant = config.speculative_draft_quantization
+    compact = kernels and half and config.speculative_draft_dtype in ("auto", "float32") and quant is None
     numpy_step = config.speculative_draft_numpy
     if numpy_step is None:
         numpy_step = (cpu and config.speculative_draft_dtype in ("auto", "float32") and arch.sliding_window is None
-                      and arch.num_parameters <= NUMPY_DRAFT_MAX_PARAMETERS and not compact)
+                      and arch.num_parameters <= NUMPY_DRAFT_MAX_PARAMETERS and not compact and quant is None)
     elif numpy_step and arch.sliding_window is not None:
         raise ConfigError("speculative_draft_numpy: the NumPy draft step has no sliding window, "
                           "and this draft model uses one")
@@ -534,11 +536,15 @@ def plan_draft(config: EngineConfig, draft_dir: pathlib.Path, arch: ModelArchCon
         dtype = torch.float32
         why = "float32 for the NumPy chain step" if numpy_step else \
             f"float32 over compact {_name(arch.dtype)} weights (compiled kernels)"
+    elif quant == "int8" and kernels:
+        dtype, why = torch.float32, "float32 over int8 weights (compiled kernels)"
     else:
         dtype, why = target_dtype, "the target's dtype"
     # Batched chain steps of up to 16 rows through the compiled kernels on compact weights;
-    # the float32 weights are kept too for more rows (a draft is small).
-    linear = _linear_plan(device, dtype, arch.dtype, config, caps, None, keep_float32=True)
+    # the float32 weights are kept too for more rows (a draft is small). With int8 the draft's
+    # projections are int8 whatever the rows.
+    linear = _linear_plan(device, dtype, arch.dtype, config, caps, quant, keep_float32=True,
+                          quantization_flag="--speculative-draft-quantization")
     # The draft's batched forwards take the CPU decode kernel where the target's auto would,
     # and otherwise the proposer's own reference metadata (slot tables computed once per
     # round); a sliding-window draft always takes the reference's general builder.
