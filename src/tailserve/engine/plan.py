@@ -288,9 +288,9 @@ def _linear_plan(device: torch.device, dtype: torch.dtype, checkpoint_dtype: tor
         # of plain), while prefill through them is 2-2.5x slower than native (128 tokens
         # 7.6-8.0 -> 15.2-16.0 ms): so both layouts are kept where the second copy is small
         # beside the machine's memory, the rows only for the native products of prompt steps.
-        both = native and checkpoint_dtype == torch.bfloat16 and not keep_float32 and 0 < weight_bytes \
-            <= caps.memory_bytes * PANEL_COPY_MAX_MEMORY_SHARE
-        panels = checkpoint_dtype == torch.bfloat16 and not keep_float32 and (not native or both)
+        bf16_rows = checkpoint_dtype == torch.bfloat16 and not keep_float32  # panels could replace them
+        both = native and bf16_rows and 0 < weight_bytes <= caps.memory_bytes * PANEL_COPY_MAX_MEMORY_SHARE
+        panels = bf16_rows and (not native or both)
         layout = ""
         if both:
             layout = (f"; panels (16 columns) for decode and verification beside the rows for prefill: "
@@ -298,7 +298,7 @@ def _linear_plan(device: torch.device, dtype: torch.dtype, checkpoint_dtype: tor
                       f"of memory")
         elif panels:
             layout = "; re-laid in 16-column panels, every batch through the outer-product kernel"
-        elif native and checkpoint_dtype == torch.bfloat16 and not keep_float32:
+        elif native and bf16_rows:
             layout = (f"; rows only (a panel copy for decode would take {weight_bytes / 2**20:.0f} MiB, over "
                       f"1/{round(1 / PANEL_COPY_MAX_MEMORY_SHARE)} of memory)" if weight_bytes
                       else "; rows only (the weights' size not given)")

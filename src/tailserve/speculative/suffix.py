@@ -102,7 +102,6 @@ class DraftCalibration:
         self.expected = np.zeros(shape)
         self.scales = np.ones(shape)  # (source, bucket) -> factor on the probabilities
         self.num_held = np.zeros(shape, dtype=np.int64)  # drafts the factor held back
-        self.num_observed = np.zeros(shape, dtype=np.int64)
 
     @staticmethod
     def bucket(match_len: int) -> int:
@@ -113,7 +112,6 @@ class DraftCalibration:
         self.expected[source, bucket] = self.DECAY * self.expected[source, bucket] + expected
         pooled = (self.accepted.sum() + self.PRIOR) / (self.expected.sum() + self.PRIOR)
         self.scales = (self.accepted + self.PRIOR * pooled) / (self.expected + self.PRIOR)
-        self.num_observed[source, bucket] += 1
 
     def hold(self, source: int, bucket: int) -> bool:
         """A draft the factor would hold back: True, except for one in PROBE_EVERY."""
@@ -134,7 +132,8 @@ class Draft:
     score: float
 
 
-_NO_DRAFT = Draft([], [], 0, LOCAL, 0.0)
+def _no_draft() -> Draft:
+    return Draft([], [], 0, LOCAL, 0.0)  # a fresh list: the runner keeps a request's drafts
 
 
 def _walk(tokens: np.ndarray, ends: np.ndarray, pattern: np.ndarray, k: int,
@@ -152,7 +151,7 @@ def _walk(tokens: np.ndarray, ends: np.ndarray, pattern: np.ndarray, k: int,
         ends = keep
         m += 1
     if not ends.size:
-        return _NO_DRAFT
+        return _no_draft()
     scale = 1.0
     if calibration is not None:
         bucket = DraftCalibration.bucket(m)
@@ -244,7 +243,7 @@ class SuffixCache:
     def draft(self, pattern: np.ndarray, k: int, calibration: DraftCalibration | None = None) -> Draft:
         where = self._where.get(int(pattern[-1]))
         if where is None or not self.num_requests:
-            return _NO_DRAFT
+            return _no_draft()
         ends = np.frombuffer(where, dtype=np.int32).astype(np.int64)
         ends = ends[ends >= self._base]
         tokens = np.frombuffer(self._tokens, dtype=np.int32)
@@ -274,11 +273,11 @@ class SuffixProposer(LookupProposer):
 
     def best_draft(self, tokens: list[int] | np.ndarray, k: int) -> Draft:
         if k <= 0 or len(tokens) == 0:
-            return _NO_DRAFT
+            return _no_draft()
         arr = np.asarray(tokens, dtype=np.int64)
         pattern = arr[-self.cfg.max_depth:]
         ends = np.flatnonzero(arr[:-1] == arr[-1])  # earlier occurrences, each with a successor
-        local = _walk(arr, ends, pattern, k, self.cfg, LOCAL, self.calibration) if ends.size else _NO_DRAFT
+        local = _walk(arr, ends, pattern, k, self.cfg, LOCAL, self.calibration) if ends.size else _no_draft()
         glob = self.cache.draft(pattern, k, self.calibration)
         if glob.score > local.score:
             self.num_global_drafts += 1
