@@ -287,8 +287,10 @@ def test_gateway_metrics_mirror_the_load_gauges_under_vllm_names(server):
 
     # Under load the gateway sees the requests run (an engine step can land between the two
     # names' reads within one scrape, so exact equality is checked when the server is idle).
+    # 300 tokens each: with 60, under the full suite's parallel load on 2 cores, the requests
+    # once finished before the first scrape was answered.
     def load() -> None:
-        httpx.post(server.url + "/v1/completions", json={"prompt": "def h(", "max_tokens": 60, "ignore_eos": True},
+        httpx.post(server.url + "/v1/completions", json={"prompt": "def h(", "max_tokens": 300, "ignore_eos": True},
                    timeout=60)
 
     threads = [threading.Thread(target=load) for _ in range(3)]
