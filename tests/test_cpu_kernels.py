@@ -675,3 +675,37 @@ def test_short_prompt_chunks_after_prefix_hits_go_native_in_one_forward_not_fuse
         assert llm.engine.step_log[-1].num_prefill_tokens == 240
         assert len(calls) == grouped_calls, native
         llm.shutdown()
+
+
+@needs_kernels
+@pytest.mark.parametrize("h, kvh, d, window", [(6, 2, 64, None), (8, 2, 128, None), (4, 2, 80, None),
+                                               (4, 1, 64, 40), (6, 2, 64, 500)])
+def test_rows_of_one_sequence_attend_together_bitwise_as_each_alone(h, kvh, d, window):
+    """A verification's rows (one sequence, one block table, consecutive positions) read each
+    cache block once for all of them from a bf16 cache: every row's output is bitwise what the
+    row gets attended alone, at contexts whose last block some rows read only part of, beside
+    another sequence's rows in the same step; a window that starts the rows at different
+    positions goes row by row, also bitwise."""
+    from tailserve.attention.cpu_decode import CpuDecodeBackend
+
+    g = torch.Generator().manual_seed(d + (window or 0))
+    bs = 16
+    ctxs, qlens = [300, 129, 40], [5, 9, 16]
+    num_blocks = sum(-(-c // bs) for c in ctxs) + 2
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [[free.pop() for _ in range(-(-c // bs))] for c in ctxs]
+    t = sum(qlens)
+    cache = torch.randn(2, num_blocks, bs, kvh, d, generator=g).to(torch.bfloat16)
+    q, k, v = (torch.randn(t, n, d, generator=g) for n in (h, kvh, kvh))
+    backend = CpuDecodeBackend(bs, 8, 64, 512, window, torch.device("cpu"), kernels=KERNELS)
+    meta = backend.build(qlens, ctxs, tables)
+    written = cache.clone()
+    together = meta.attend(q, k, v, written, d ** -0.5)
+    alone = []
+    row = 0
+    for c, n, table in zip(ctxs, qlens, tables):
+        for pos in range(c - n, c):
+            one = backend.build([1], [pos + 1], [table])  # the row as a plain decode at its position
+            alone.append(one.attend(q[row : row + 1], k[row : row + 1], v[row : row + 1], written, d ** -0.5))
+            row += 1
+    assert torch.equal(together, torch.cat(alone))

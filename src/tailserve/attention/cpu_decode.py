@@ -5,7 +5,9 @@ A step whose sequences have at most ``MAX_QUERY_LEN`` new tokens each (decodes, 
 step at any batch size, and speculative verification) is attended by
 ``tailserve_paged_decode_attention`` (kernels/cpu/gemv_avx2.c), one kernel row per new
 token: the new K/V written into their slots, then each row walks its sequence's block table
-up to its own position, with no gathered copy of the context and no mask. Measured on a 2-core AVX2 machine at
+up to its own position, with no gathered copy of the context and no mask (from a bf16 cache,
+the rows of one sequence, a verification's, walk it together: each block read once for all
+of them, each row's output bitwise the one it gets alone). Measured on a 2-core AVX2 machine at
 a 200-token context: ~230 us per layer through the reference's gather and SDPA, against a few
 microseconds here (docs/benchmarks.md). Longer prefill chunks use the reference backend's
 metadata and kernels, unchanged.
