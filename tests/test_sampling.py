@@ -132,8 +132,13 @@ def test_fast_argmax_equals_torch_argmax_including_ties():
     x[3, 100] = x[3, 31999] = 50.0  # tie across chunks: the first one wins
     x[4, 5] = x[4, 6] = 60.0  # tie inside a chunk
     x[5] = 1.0  # all equal
-    assert torch.equal(fast_argmax(x), x.argmax(-1))
+    x[6, 7] = x[6, 9] = float("nan")  # a NaN counts as the largest, the first one wins
+    x[7] = float("-inf")
+    assert torch.equal(fast_argmax(x), x.argmax(-1))  # 288k elements: the chunked path
     assert torch.equal(fast_argmax(x[:, :1000]), x[:, :1000].argmax(-1))  # not a multiple of 128: fallback
+    small = x[:, :4096].contiguous()  # NumPy's argmax (small float32 CPU tensors)
+    assert torch.equal(fast_argmax(small), small.argmax(-1)) and fast_argmax(small).dtype == torch.int64
+    assert torch.equal(fast_argmax(small[2:3]), small[2:3].argmax(-1))
 
 
 def _sorted_reference(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

@@ -449,6 +449,45 @@ def test_builtin_bf16_draft_runs_on_compact_weights_and_stays_exact(llm_builtin_
     assert mixed[0].outputs[0].token_ids == alone
 
 
+@pytest.mark.parametrize("query_len", [1, 2])
+def test_a_draft_forward_in_one_compiled_call_is_bitwise_the_layer_by_layer_forward(llm_builtin_spec, query_len):
+    """The built-in draft's chain steps run the whole model in one compiled call (embedding,
+    fused layers, final norm of each sequence's last row, LM head): its logits and the K/V it
+    writes are bitwise those of the model's forward and compute_logits, for decode rows and
+    for a catch-up's two rows per sequence."""
+    from tailserve.kernels.cpu import kernels
+    from tailserve.memory.kv_cache import allocate_kv_caches
+
+    if kernels() is None:
+        pytest.skip("no compiled CPU kernels")
+    prop = llm_builtin_spec.engine.proposer
+    model, fused = prop.model, prop.model.fused_decode
+    assert fused is not None and fused.head is not None  # the LM head's product too
+    g = torch.Generator().manual_seed(query_len)
+    bs = prop.block_size
+    caches = allocate_kv_caches(prop.arch, 12, bs, prop.kv_caches[0].dtype, torch.device("cpu"))
+    for c in caches:  # a context already there (own caches: the shared engine's stay as they are)
+        c.copy_(torch.randn(c.shape, generator=g).to(c.dtype))
+    ctxs = [20, 9, 33]
+    tables = [[0, 1], [2], [3, 4, 5]]
+    tokens = torch.randint(0, prop.arch.vocab_size, (len(ctxs) * query_len,), generator=g).tolist()
+    positions = torch.tensor([c - query_len + j for c in ctxs for j in range(query_len)])
+    cos, sin = (t.contiguous() for t in model.rotary.lookup(positions))
+    ours, theirs = [c.clone() for c in caches], [c.clone() for c in caches]
+    hidden, logits = fused.run(torch.tensor(tokens), (cos, sin), ours,
+                               prop.attn_backend.build([query_len] * 3, ctxs, tables), query_len, head=True)
+    model.fused_decode = None  # the model's layer-by-layer forward, for the reference
+    try:
+        want_hidden = model.forward(torch.tensor(tokens), None, theirs,
+                                    prop.attn_backend.build([query_len] * 3, ctxs, tables), rope=(cos, sin))
+    finally:
+        model.fused_decode = fused
+    want_hidden = want_hidden[query_len - 1 :: query_len]
+    assert torch.equal(hidden, want_hidden)
+    assert torch.equal(logits, model.compute_logits(want_hidden, upcast=False))
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
 def test_the_step_log_says_where_a_speculative_step_went(llm_builtin_spec):
     """Each step of the log carries the worker's stamps (the target's forward, the proposal)
     and the tokens it emitted: what bench_spec_limit.py splits a speculative step into. A

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 _ARGMAX_CHUNK = 128
 _PLAIN_ARGMAX_MAX = 24 * 1024
+_NUMPY_ARGMAX_MAX = 256 * 1024
 
 
 def fast_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -51,6 +52,12 @@ def fast_argmax(x: torch.Tensor) -> torch.Tensor:
     1 x 4096, 19 vs 22 for 5 x 4096, 35 vs 27 for 16 x 4096, 31 vs 20 for 1 x 32000.
     """
     n, v = x.shape
+    if x.device.type == "cpu" and x.dtype == torch.float32 and n * v <= _NUMPY_ARGMAX_MAX and x.is_contiguous():
+        # NumPy's argmax has the same rule (first maximum, a NaN counts as the largest) and
+        # none of an operator call's overhead: 1 x 4096 1.4 us against 6.8, 4 x 4096 2.0
+        # against 23, 1 x 32000 2.6 against 15.5 (2 Xeon cores). Past a few hundred thousand
+        # elements PyTorch's threads win (64 x 32000: 299 against 230).
+        return torch.from_numpy(x.numpy().argmax(-1))
     # Correct on any device; the chunks are what win on the CPU, and cost a GPU one more
     # small kernel (no host sync), so it is not worth a per-call device branch.
     if v % _ARGMAX_CHUNK or v < 4 * _ARGMAX_CHUNK or n * v <= _PLAIN_ARGMAX_MAX:

@@ -419,6 +419,18 @@ class DraftModelProposer:
             for r, n in enumerate(pad):
                 if n:
                     meta.slot_mapping[r * query_len : r * query_len + n] = self.scratch_slot
+        if not cos.is_contiguous():
+            # A step of one token per row slices every row's column: the fused layers take
+            # contiguous tables (non-contiguous ones sent a batched chain step op by op).
+            cos, sin = cos.contiguous(), sin.contiguous()
+        fused = self.model.fused_decode
+        if fused is not None:
+            # The whole draft forward in one compiled call (model/llama.py FusedDecodeModel).
+            got = fused.run(np.asarray(tokens, dtype=np.int64), (cos, sin), self.kv_caches, meta, query_len,
+                            head=True)
+            if got is not None:
+                hidden, logits = got
+                return logits if logits is not None else self.model.compute_logits(hidden, upcast=False)
         # Positions only select rotary rows, which this round already looked up.
         hidden = self.model.forward(torch.tensor(tokens, device=self.device), None, self.kv_caches, meta,
                                     rope=(cos, sin))

@@ -145,6 +145,12 @@ class CpuKernels:
         self.decode_layer = lib.tailserve_decode_layer
         self.decode_layer.argtypes = [ctypes.POINTER(LayerStruct), ctypes.POINTER(StepStruct)] + [ctypes.c_void_p] * 7
         self.decode_layer.restype = None
+        self.decode_model = lib.tailserve_decode_model
+        self.decode_model.argtypes = [ctypes.POINTER(LayerStruct), ctypes.c_long, ctypes.POINTER(StepStruct)] \
+            + [ctypes.c_void_p] * 4 + [ctypes.POINTER(ctypes.c_void_p)] * 2 + [ctypes.c_void_p, ctypes.c_float] \
+            + [ctypes.c_long] * 3 + [ctypes.c_int] \
+            + [ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_void_p] * 2
+        self.decode_model.restype = None
         self._cutoffs = lib.tailserve_sampling_cutoffs
         self._cutoffs.argtypes = [ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int]
         self._cutoffs.restype = None

@@ -1015,7 +1015,7 @@ static void attend_paged(const float* q, const void* k_cache, const void* v_cach
     free(first);
 }
 
-int tailserve_kernels_abi(void) { return 6; }
+int tailserve_kernels_abi(void) { return 7; }
 
 /* ---- Sampling: each row's top-k / top-p cut-off logit, without sorting the vocabulary ----
  *
@@ -1258,6 +1258,38 @@ void tailserve_decode_layer(const tailserve_layer* L, const tailserve_step* S, f
     tailserve_silu_mul(gu, act, M, I);
     gemm_fmt(L->fmt, act, L->w_down, L->s_down, out, M, E, I, nt);
     free(a);
+}
+
+/* A whole decode forward of a model whose every layer fuses, in one call: the embedding rows
+ * of ids (float32 embed, V x E), each layer as tailserve_decode_layer (k_caches[l], v_caches[l]
+ * its cache halves), the final norm of the n_sel selected rows (rows sel_first, sel_first +
+ * sel_step, ...: a catch-up's last token per sequence) into hidden (n_sel x E), and with
+ * head_w their logits (n_sel x V, the LM head in format head_fmt, scales head_s or NULL). The
+ * same calls, in the same order, as the model's Python forward makes for such a step, so the
+ * results are bitwise those; what it saves is Python's ~10 calls around each layer: a draft
+ * model's chain step (1 layer, 256 wide, 2 Xeon cores) spent more time there than computing. */
+void tailserve_decode_model(const tailserve_layer* layers, long n_layers, const tailserve_step* S,
+                            const int64_t* ids, const float* embed, const float* cos, const float* sin,
+                            void* const* k_caches, void* const* v_caches, const float* norm_w, float norm_eps,
+                            long sel_first, long sel_step, long n_sel, int head_fmt, const void* head_w,
+                            const float* head_s, long V, float* hidden, float* logits) {
+    long M = S->M, E = layers[0].E;
+    float* buf = (float*)malloc(sizeof(float) * 3 * M * E);
+    float *h = buf, *x0 = buf + M * E, *x1 = buf + 2 * M * E;
+    for (long m = 0; m < M; m++) memcpy(h + m * E, embed + ids[m] * E, sizeof(float) * E);
+    const float* x = NULL;  /* the first layer's stream is the embedding itself */
+    float* out = x0;
+    for (long l = 0; l < n_layers; l++) {
+        tailserve_decode_layer(&layers[l], S, h, x, out, cos, sin, k_caches[l], v_caches[l]);
+        x = out;
+        out = out == x0 ? x1 : x0;
+    }
+    for (long i = 0; i < n_sel; i++) {
+        long r = sel_first + i * sel_step;
+        tailserve_add_rms_norm(h + r * E, x + r * E, norm_w, hidden + i * E, 1, E, norm_eps);
+    }
+    if (head_w) gemm_fmt(head_fmt, hidden, head_w, head_s, logits, n_sel, V, E, S->threads);
+    free(buf);
 }
 
 /* Grammar masks (structured outputs): logits[rows[r], t] = -inf where bit t % 32 of
