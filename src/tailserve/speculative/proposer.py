@@ -8,7 +8,9 @@ drafts to make (``k``, 0 = catch up only).
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -198,10 +200,16 @@ class _Chain:
     """One round's tables for the draft chain (built by ``_chain_slots``)."""
 
     row_of: dict[str, int]  # request id -> row
-    table: torch.Tensor  # (B, W) KV slot of every position a step can touch
     lens: list[int]  # sequence length per row at the start of the round
     cos: torch.Tensor  # (B, steps + _CHAIN_MAX_CATCH_UP, D) rotary tables by column
     sin: torch.Tensor
+    slot_table: Callable[[], torch.Tensor]  # (B, W) KV slot of every position a step can touch
+
+    @functools.cached_property
+    def table(self) -> torch.Tensor:
+        """Built on first use: only the reference's metadata and a single sequence's own step
+        read it (the CPU decode backend builds its metadata from the block ids)."""
+        return self.slot_table()
 
 
 class DraftModelProposer:
@@ -356,14 +364,17 @@ class DraftModelProposer:
         position len - 1."""
         bs = self.block_size
         lens = [len(i.all_token_ids) for i in active]
-        width = max(n + i.k - 1 for n, i in zip(lens, active))
-        nblocks = -(-width // bs)
-        # Unused tail entries point at block 0: they are masked (ragged rows) or never read.
-        blocks = torch.tensor([i.block_ids[:nblocks] + [0] * (nblocks - len(i.block_ids[:nblocks])) for i in active],
-                              dtype=torch.long, device=self.device)  # (B, nblocks)
-        if self._block_offsets is None:
-            self._block_offsets = torch.arange(bs, dtype=torch.long, device=self.device)
-        table = (blocks[:, :, None] * bs + self._block_offsets).view(len(active), -1)[:, :width]
+
+        def slot_table() -> torch.Tensor:
+            width = max(n + i.k - 1 for n, i in zip(lens, active))
+            nblocks = -(-width // bs)
+            # Unused tail entries point at block 0: they are masked (ragged rows) or never read.
+            blocks = torch.tensor([i.block_ids[:nblocks] + [0] * (nblocks - len(i.block_ids[:nblocks]))
+                                   for i in active], dtype=torch.long, device=self.device)  # (B, nblocks)
+            if self._block_offsets is None:
+                self._block_offsets = torch.arange(bs, dtype=torch.long, device=self.device)
+            return (blocks[:, :, None] * bs + self._block_offsets).view(len(active), -1)[:, :width]
+
         # Rotary cos/sin for every position a step can feed, looked up once per round:
         # column c of row r is position len_r - _CHAIN_MAX_CATCH_UP + c.
         steps = max(i.k for i in active)
@@ -379,7 +390,7 @@ class DraftModelProposer:
             # longest, and its columns past its own last step are never read.
             cols = (first[:, None] + torch.arange(ncols, device=self.device)).clamp(0, npos - 1)
             cos, sin = rotary.cos[cols], rotary.sin[cols]
-        return _Chain({i.request_id: r for r, i in enumerate(active)}, table, lens, cos, sin)
+        return _Chain({i.request_id: r for r, i in enumerate(active)}, lens, cos, sin, slot_table)
 
     def _chain_forward(self, active: list[ProposalInput], chain: _Chain, step: int, tokens: list[int],
                        query_len: int = 1, pad: list[int] | None = None) -> torch.Tensor:
