@@ -486,6 +486,9 @@ def test_a_draft_forward_in_one_compiled_call_is_bitwise_the_layer_by_layer_forw
     assert torch.equal(hidden, want_hidden)
     assert torch.equal(logits, model.compute_logits(want_hidden, upcast=False))
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    with pytest.raises(IndexError, match="outside the vocabulary"):  # as the embedding's lookup refuses it
+        fused.run(torch.tensor([prop.arch.vocab_size] * len(tokens)), (cos, sin), ours,
+                  prop.attn_backend.build([query_len] * 3, ctxs, tables), query_len)
 
 
 def test_the_step_log_says_where_a_speculative_step_went(llm_builtin_spec):

@@ -215,11 +215,13 @@ class FusedDecodeModel:
         k_ptrs, v_ptrs = self._cache_pointers(kv_caches)
         fmt, w, scales = self.head if head and self.head is not None else (0, None, None)
         out = torch.empty((n_sel, self.vocab_size), dtype=torch.float32) if w is not None else None
-        self.kernels.decode_model(self.structs, self.num_layers, step, ids, self.embed.data_ptr(),
-                                  cos.data_ptr(), sin.data_ptr(), k_ptrs, v_ptrs, self.norm.weight.data_ptr(),
-                                  self.norm.eps, query_len - 1, query_len, n_sel, fmt,
-                                  0 if w is None else w.data_ptr(), 0 if scales is None else scales.data_ptr(),
-                                  self.vocab_size, hidden.data_ptr(), 0 if out is None else out.data_ptr())
+        bad = self.kernels.decode_model(self.structs, self.num_layers, step, ids, self.embed.data_ptr(),
+                                        cos.data_ptr(), sin.data_ptr(), k_ptrs, v_ptrs, self.norm.weight.data_ptr(),
+                                        self.norm.eps, query_len - 1, query_len, n_sel, fmt,
+                                        0 if w is None else w.data_ptr(), 0 if scales is None else scales.data_ptr(),
+                                        self.vocab_size, hidden.data_ptr(), 0 if out is None else out.data_ptr())
+        if bad >= 0:  # as F.embedding refuses it
+            raise IndexError(f"token id {int(token_ids[bad])} is outside the vocabulary ({self.vocab_size})")
         return hidden, out
 
 

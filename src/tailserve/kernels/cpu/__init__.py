@@ -150,7 +150,7 @@ class CpuKernels:
             + [ctypes.c_void_p] * 4 + [ctypes.POINTER(ctypes.c_void_p)] * 2 + [ctypes.c_void_p, ctypes.c_float] \
             + [ctypes.c_long] * 3 + [ctypes.c_int] \
             + [ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_void_p] * 2
-        self.decode_model.restype = None
+        self.decode_model.restype = ctypes.c_long
         self._cutoffs = lib.tailserve_sampling_cutoffs
         self._cutoffs.argtypes = [ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int]
         self._cutoffs.restype = None

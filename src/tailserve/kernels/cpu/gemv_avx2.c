@@ -1267,13 +1267,16 @@ void tailserve_decode_layer(const tailserve_layer* L, const tailserve_step* S, f
  * head_w their logits (n_sel x V, the LM head in format head_fmt, scales head_s or NULL). The
  * same calls, in the same order, as the model's Python forward makes for such a step, so the
  * results are bitwise those; what it saves is Python's ~10 calls around each layer: a draft
- * model's chain step (1 layer, 256 wide, 2 Xeon cores) spent more time there than computing. */
-void tailserve_decode_model(const tailserve_layer* layers, long n_layers, const tailserve_step* S,
+ * model's chain step (1 layer, 256 wide, 2 Xeon cores) spent more time there than computing.
+ * Returns -1, or the first row whose id is outside [0, V) (then nothing is computed). */
+long tailserve_decode_model(const tailserve_layer* layers, long n_layers, const tailserve_step* S,
                             const int64_t* ids, const float* embed, const float* cos, const float* sin,
                             void* const* k_caches, void* const* v_caches, const float* norm_w, float norm_eps,
                             long sel_first, long sel_step, long n_sel, int head_fmt, const void* head_w,
                             const float* head_s, long V, float* hidden, float* logits) {
     long M = S->M, E = layers[0].E;
+    for (long m = 0; m < M; m++)
+        if (ids[m] < 0 || ids[m] >= V) return m;  /* nothing computed: the caller raises */
     float* buf = (float*)malloc(sizeof(float) * 3 * M * E);
     float *h = buf, *x0 = buf + M * E, *x1 = buf + 2 * M * E;
     for (long m = 0; m < M; m++) memcpy(h + m * E, embed + ids[m] * E, sizeof(float) * E);
@@ -1290,6 +1293,7 @@ void tailserve_decode_model(const tailserve_layer* layers, long n_layers, const 
     }
     if (head_w) gemm_fmt(head_fmt, hidden, head_w, head_s, logits, n_sel, V, E, S->threads);
     free(buf);
+    return -1;
 }
 
 /* Grammar masks (structured outputs): logits[rows[r], t] = -inf where bit t % 32 of
