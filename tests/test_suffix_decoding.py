@@ -107,6 +107,81 @@ def _input(rid: str, tokens: list[int], k: int = 8):
     return ProposalInput(rid, tokens, 0, len(tokens), [], k, SamplingParams(), None)
 
 
+def _walk_step_by_step(tokens, ends, pattern, k, cfg, source, calibration):
+    """The suffix walk as the paper states it, one token at a time: extend the match while an
+    occurrence still agrees, then draft the most frequent successor while its cumulative
+    probability (scaled by the calibration) stays above min_token_prob."""
+    m = 1
+    while m < len(pattern) and ends.size:
+        prev = ends - m
+        keep = ends[prev >= 0][tokens[prev[prev >= 0]] == pattern[-1 - m]]
+        if not keep.size:
+            break
+        ends, m = keep, m + 1
+    bucket = DraftCalibration.bucket(m)
+    scale = float(calibration.scales[source, bucket])
+    draft, cum, prob, score = [], [], 1.0, 0.0
+    while len(draft) < min(k, int(cfg.max_spec_factor * m)):
+        ends = ends[ends + 1 < len(tokens)]
+        nxt = tokens[ends + 1]
+        if not (nxt >= 0).any():
+            break
+        values, counts = np.unique(nxt[nxt >= 0], return_counts=True)
+        best = int(np.argmax(counts))
+        prob *= counts[best] / int((nxt >= 0).sum())
+        scaled = min(prob * scale, 1.0)
+        if scaled < cfg.min_token_prob:
+            if draft or prob < cfg.min_token_prob or calibration.hold(source, bucket):
+                break
+            scale, scaled = 1.0, prob
+        draft.append(int(values[best]))
+        cum.append(float(prob))
+        score += scaled
+        ends = ends[nxt == values[best]] + 1
+    return draft, cum, m, score
+
+
+def test_the_walks_shortcuts_make_the_step_by_step_walks_drafts():
+    """The walk extends a match over few occurrences in one comparison and takes a continuation
+    that every occurrence shares in one gather: on repetitive texts with noise, request
+    boundaries, many and few occurrences, calibrated or not, its drafts, probabilities, match
+    lengths, scores and held-back counts are exactly the step-by-step walk's."""
+    from tailserve.speculative.suffix import _walk
+
+    rng = np.random.default_rng(0)
+    checked = 0
+    for _ in range(1500):
+        vocab = int(rng.choice([3, 8, 50]))
+        n = int(rng.integers(2, 400))
+        base = rng.integers(0, vocab, size=int(rng.integers(1, 40)))
+        tokens = np.resize(base, n).astype(np.int64)
+        noisy = rng.random(n) < rng.choice([0.0, 0.05, 0.3])
+        tokens[noisy] = rng.integers(0, vocab, size=int(noisy.sum()))
+        if rng.random() < 0.3:
+            tokens[rng.random(n) < 0.02] = -1  # request boundaries, as in the global cache
+        cfg = SuffixConfig(max_depth=int(rng.choice([4, 24])), max_spec_factor=float(rng.choice([0.5, 1.0, 3.0])),
+                           min_token_prob=float(rng.choice([0.0, 0.1, 0.5])))
+        context = tokens[tokens >= 0]
+        if context.size < 2:
+            continue
+        pattern = context[-cfg.max_depth:]
+        ends = np.flatnonzero(tokens[:-1] == pattern[-1])
+        k = int(rng.integers(1, 16))
+        ours, theirs = DraftCalibration(), DraftCalibration()
+        if rng.random() < 0.5:
+            ours.scales = rng.random((2, 8)) * 2
+            theirs.scales = ours.scales.copy()
+        got = _walk(tokens, ends, pattern, k, cfg, GLOBAL, ours)
+        if not ends.size:
+            assert got.tokens == []
+            continue
+        assert (got.tokens, got.cum_probs, got.match_len, got.score) == \
+            _walk_step_by_step(tokens, ends, pattern, k, cfg, GLOBAL, theirs)
+        assert np.array_equal(ours.num_held, theirs.num_held)
+        checked += 1
+    assert checked > 1000
+
+
 def test_the_next_tokens_calibrate_the_drafts_of_their_source_and_match_length():
     """A draft's next tokens say how many of it the target kept (a one-hot q accepts a draft
     token exactly when the target's token equals it); the factor on that (source, match
