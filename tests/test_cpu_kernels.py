@@ -416,6 +416,28 @@ def test_native_scope_multiplies_large_batches_in_bf16_and_nothing_else():
 
 
 @needs_kernels
+def test_native_prompt_products_see_row_counts_from_a_few_buckets(monkeypatch):
+    """oneDNN sets up a primitive per row count: a prompt step's native products pad their rows
+    with zeros to a multiple of 16 (64 past 256 rows), so prompts of any length reuse a few
+    shapes, and the real rows are the unpadded product's."""
+    from tailserve.model.linear import CpuCompactWeightsLinearMethod, native_rows
+
+    w = torch.randn(48, 64).bfloat16().float()
+    layer = Linear(48, 64, False)
+    layer.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+    layer.set_method(CpuCompactWeightsLinearMethod(torch.bfloat16, KERNELS, native_large_batches=True))
+    seen, linear = [], F.linear
+    monkeypatch.setattr(F, "linear", lambda x, *a, **k: seen.append(x.shape[0]) or linear(x, *a, **k))
+    for m in (17, 40, 48, 250, 257, 300):
+        x = torch.randn(m, 64)
+        with layer.method.native_scope(True):
+            got = layer.forward(x)
+        assert got.shape == (m, 48)
+        torch.testing.assert_close(got, linear(x.bfloat16(), w.bfloat16()).float(), rtol=1e-6, atol=1e-6)
+    assert seen == [32, 48, 48, 256, 320, 320] == [native_rows(m) for m in (17, 40, 48, 250, 257, 300)]
+
+
+@needs_kernels
 def test_decode_batches_up_to_64_rows_give_each_row_its_16_row_product():
     from tailserve.model.linear import CpuCompactWeightsLinearMethod
 
