@@ -275,6 +275,24 @@ def test_explorations_back_off_where_they_keep_confirming_off():
     assert explored <= 200 // (6 * 2) + 2
 
 
+def test_a_lookups_bucket_comes_back_soon_when_its_text_starts_repeating(engine_cache):
+    """A lookup has no catch-up, so its confirmed-off buckets back off to a few intervals only
+    (a draft model's may back off for good): after a long stretch where every k lost (drafts
+    rejected), a text where drafts pay is found within about a thousand steps (the rate windows
+    need several explorations to forget the stretch before). The engines set it by their
+    proposer: suffix decoding the lookup's cap, a draft model the long one."""
+    def run(max_backoff):
+        ctl = _optimistic(explore_every=24, max_backoff=max_backoff)
+        _run(ctl, 16, lambda k: (16, 0.006 * (1 + 0.3 * k)), 3000)  # drafts rejected: k only costs
+        ks, _ = _run(ctl, 16, lambda k: (16 * (1 + 0.9 * k), 0.006 * (1 + 0.3 * k)), 2000)  # now k pays
+        return ks
+
+    assert sum(k > 0 for k in run(AdaptiveSpeculation.LOOKUP_MAX_BACKOFF)[-1000:]) > 900
+    assert sum(k > 0 for k in run(1024)[-1000:]) < 100  # backed off 64x by then: no exploration came
+    suffix = engine_cache(speculative_method="suffix")
+    assert suffix.engine.core.scheduler.speculation.max_backoff == AdaptiveSpeculation.LOOKUP_MAX_BACKOFF
+
+
 def test_a_steps_throughput_counts_for_the_k_it_ran_with():
     """The engine learns a step's whole cost after the next step's k is chosen (it is handed
     over with the next update): the sample must count for the k the step ran with."""

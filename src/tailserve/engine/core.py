@@ -92,6 +92,8 @@ class EngineCore:
                                               fixed_k=config.num_speculative_tokens,
                                               max_rows=info.plan.max_verify_rows,
                                               hold_beside_prompts=info.lookup_proposer,
+                                              max_backoff=AdaptiveSpeculation.LOOKUP_MAX_BACKOFF
+                                              if info.lookup_proposer else AdaptiveSpeculation.max_backoff,
                                               cost_profile=info.verify_costs,
                                               objective=config.speculative_objective,
                                               slo=parse_slo(config.slo) if config.slo is not None else None)

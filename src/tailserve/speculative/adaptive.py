@@ -496,6 +496,14 @@ class AdaptiveSpeculation:
     # about what keeping it in step all along would have cost. So confirmed-off buckets double
     # their interval with no practical bound.
     max_backoff: int = 1024
+    # A lookup (n-gram, suffix) has no catch-up: an exploration where it finds no match drafts
+    # nothing and costs nothing, one whose drafts are rejected is charged to the bucket's budget
+    # (``_min_interval``). So a lookup's confirmed-off bucket backs off to at most this many
+    # times explore_every, and a text that starts repeating is found within a few hundred
+    # steps: suffix decoding at temperature 0.8, seeded, ran the repeated pass of
+    # bench_suffix.py at 1.02x of plain in a run where the cold pass (drafts rejected) had
+    # decided off and backed off, 2.1x in one where it had not (AVX-512, built-in target).
+    LOOKUP_MAX_BACKOFF = 4
     _backoff: dict = field(default_factory=dict)
     _since_explore: dict = field(default_factory=dict)
     # The most a bucket's periodic explorations may cost, as a share of its time: each
