@@ -499,8 +499,8 @@ class AdaptiveSpeculation:
     # A lookup (n-gram, suffix) has no catch-up: an exploration where it finds no match drafts
     # nothing and costs nothing, one whose drafts are rejected is charged to the bucket's budget
     # (``_min_interval``). So a lookup's confirmed-off bucket backs off to at most this many
-    # times explore_every, and a text that starts repeating is found within a few hundred
-    # steps: suffix decoding at temperature 0.8, seeded, ran the repeated pass of
+    # times explore_every, and a text that starts repeating is found within about a thousand
+    # steps (the rate windows take a few explorations to forget): suffix decoding at temperature 0.8, seeded, ran the repeated pass of
     # bench_suffix.py at 1.02x of plain in a run where the cold pass (drafts rejected) had
     # decided off and backed off, 2.1x in one where it had not (AVX-512, built-in target).
     LOOKUP_MAX_BACKOFF = 4
@@ -951,10 +951,14 @@ class AdaptiveSpeculation:
         since = self._since_explore.get(bkt, 0) + 1
         due = since >= max(self.explore_every * self._backoff.get(bkt, 1), self._min_interval.get(bkt, 0))
         held = self._held.get(bkt)
-        if held is not None and held[1] > 0 and not due and self.objective == "throughput":
+        if held is not None and held[1] > 0 and not due:
             # The bucket's last decision holds for decide_every steps: its windows move by a
             # step or two meanwhile, and deciding afresh each step cost ~120 us of Python, 5%
-            # of a 2.4 ms batch-1 step, paid with speculation off too. Checked before anything
+            # of a 2.4 ms batch-1 step, paid with speculation off too. The goodput objective's
+            # decisions hold as long (they read the requests' SLO state, which moves each step,
+            # but a held k lasts ~8 steps, tens of ms, and deciding every step made its server
+            # deliver 5% fewer requests in bound than off's at 0.75x of saturation while it
+            # drafted almost nothing, the throughput objective's 2%). Checked before anything
             # reads a window: off's rate alone, re-summed each step, took ~33 us under cProfile
             # (~2% of a 1.4 ms batch-4 step, AVX-512). A held decision was made after off and
             # both cost models were measured, so the checks below would pass.
@@ -1188,8 +1192,7 @@ class AdaptiveSpeculation:
                 self._since_explore[bkt] = 0
                 self._decided[bkt] = 0
                 self._first_wait_until[bkt] = self._steps + self.explore_every
-                if self.objective == "throughput":
-                    self._held[bkt] = [0, self.explore_every]
+                self._held[bkt] = [0, self.explore_every]
                 return self._set(0, num_decoding)
         return self._explore(k, bkt, num_decoding)
 
