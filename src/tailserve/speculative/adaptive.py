@@ -500,9 +500,10 @@ class AdaptiveSpeculation:
     # nothing and costs nothing, one whose drafts are rejected is charged to the bucket's budget
     # (``_min_interval``). So a lookup's confirmed-off bucket backs off to at most this many
     # times explore_every, and a text that starts repeating is found within about a thousand
-    # steps (the rate windows take a few explorations to forget): suffix decoding at temperature 0.8, seeded, ran the repeated pass of
-    # bench_suffix.py at 1.02x of plain in a run where the cold pass (drafts rejected) had
-    # decided off and backed off, 2.1x in one where it had not (AVX-512, built-in target).
+    # steps (the rate windows take a few explorations to forget): suffix decoding at
+    # temperature 0.8, seeded, ran the repeated pass of bench_suffix.py at 1.02x of plain in a
+    # run where the cold pass (drafts rejected) had decided off and backed off, 2.1x in one
+    # where it had not (AVX-512, built-in target).
     LOOKUP_MAX_BACKOFF = 4
     _backoff: dict = field(default_factory=dict)
     _since_explore: dict = field(default_factory=dict)
