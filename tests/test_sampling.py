@@ -136,9 +136,10 @@ def test_fast_argmax_equals_torch_argmax_including_ties():
     x[7] = float("-inf")
     assert torch.equal(fast_argmax(x), x.argmax(-1))  # 288k elements: the chunked path
     assert torch.equal(fast_argmax(x[:, :1000]), x[:, :1000].argmax(-1))  # not a multiple of 128: fallback
-    small = x[:, :4096].contiguous()  # NumPy's argmax (small float32 CPU tensors)
-    assert torch.equal(fast_argmax(small), small.argmax(-1)) and fast_argmax(small).dtype == torch.int64
-    assert torch.equal(fast_argmax(small[2:3]), small[2:3].argmax(-1))
+    small = x[:, :4096].contiguous()  # NumPy's argmax (small float32 tensors in host memory)
+    assert torch.equal(fast_argmax(small, host=True), small.argmax(-1))
+    assert fast_argmax(small, host=True).dtype == torch.int64
+    assert torch.equal(fast_argmax(small[2:3], host=True), small[2:3].argmax(-1))
 
 
 def _sorted_reference(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

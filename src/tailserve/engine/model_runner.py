@@ -85,6 +85,7 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        self.host = device.type == "cpu"  # fast_argmax's NumPy path
         self.max_model_len = max_model_len or arch.max_position_embeddings
         self.attn_backend = attn_backend or TorchReferenceBackend(block_size, 256, 2048, self.max_model_len,
                                                                   arch.sliding_window, device)
@@ -181,7 +182,7 @@ class ModelRunner:
                 continue
             hidden = self._forward([0] * sum(lens), [p for n in lens for p in range(n)], lens, lens, tables,
                                    native=True)
-            fast_argmax(self.model.compute_logits(hidden[-1:]))
+            fast_argmax(self.model.compute_logits(hidden[-1:]), self.host)
         for b in decode_batch_sizes:  # b sequences of one new token after one in the cache
             if b > num_blocks:
                 continue
@@ -189,7 +190,7 @@ class ModelRunner:
             hidden = self.model(torch.zeros(b, dtype=torch.long, device=self.device),
                                 torch.ones(b, dtype=torch.long, device=self.device), self.kv_caches, meta)
             logits = self.model.compute_logits(hidden)
-            fast_argmax(logits)
+            fast_argmax(logits, self.host)
             st = SamplingTensors.from_params([params] * b, self.arch.vocab_size, self.device,
                                              self.sampler.kernels)
             self.sampler.sample(logits, st, [None] * b)
@@ -271,12 +272,12 @@ class ModelRunner:
         t0 = time.perf_counter()
         hidden = self._forward([0] * (b * q), positions, [q] * b, [ctx] * b, tables, False)
         logits = self.model.compute_logits(hidden)  # (b * q, V)
-        fast_argmax(logits).tolist()
+        fast_argmax(logits, self.host).tolist()
         t1 = time.perf_counter()
         if k:
-            greedy_rows(logits, [k] * b, drafts)
+            greedy_rows(logits, [k] * b, drafts, self.host)
         else:
-            fast_argmax(logits).tolist()
+            fast_argmax(logits, self.host).tolist()
         t2 = time.perf_counter()
         if k:
             self.rejection_sampler(logits, [k] * b, drafts, flat_q, st_t, [None] * b)
@@ -483,7 +484,7 @@ class ModelRunner:
                                              [st.token_ids[st.num_prompt_tokens :] for st in sampled])
         if not spec:
             if all(p.greedy for p in plist):
-                tokens = fast_argmax(logits)  # the common all-greedy case: nothing to prepare
+                tokens = fast_argmax(logits, self.host)  # the common all-greedy case: nothing to prepare
             else:
                 st_t = SamplingTensors.from_params(plist, self.arch.vocab_size, self.device, self.sampler.kernels)
                 keys = [None if (seed := self.seed_of(st)) is None else seeded_key(seed, len(st.token_ids))
@@ -492,7 +493,7 @@ class ModelRunner:
             return [[t] for t in tokens.tolist()], [[i] for i in range(len(sampled))]
         if self.synthetic_acceptance is not None:
             if all(p.greedy for p in plist):
-                target = fast_argmax(logits).tolist()
+                target = fast_argmax(logits, self.host).tolist()
             else:
                 counts = [k + 1 for k in num_drafts]
                 st_t = SamplingTensors.from_params(plist, self.arch.vocab_size, self.device,
@@ -501,7 +502,7 @@ class ModelRunner:
             emitted = synthetic_rows(target, num_drafts, drafts, self.synthetic_acceptance, self.sampler.generator)
         elif all(p.greedy for p in plist):
             # Acceptance by argmax equality needs no sampling tensors and no draft q.
-            emitted = greedy_rows(logits, num_drafts, drafts)
+            emitted = greedy_rows(logits, num_drafts, drafts, self.host)
         else:
             st_t = SamplingTensors.from_params(plist, self.arch.vocab_size, self.device, self.sampler.kernels)
             seeded = [None if (seed := self.seed_of(st)) is None else (seed, len(st.token_ids)) for st in sampled]

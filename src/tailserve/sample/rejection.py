@@ -205,7 +205,7 @@ class RejectionSampler:
         seeded: list[tuple[int, int] | None],  # per request (seed, position of its first verified row)
     ) -> list[list[int]]:
         if st.all_greedy:
-            return greedy_rows(target_logits, num_drafts, draft_ids)
+            return greedy_rows(target_logits, num_drafts, draft_ids, self.kernels is not None)
         greedy = st.greedy.tolist()
         if all(g or s is not None for g, s in zip(greedy, seeded)):
             # No row for the rule: argmax walks and races only.
@@ -231,7 +231,7 @@ class RejectionSampler:
 
             def padded(x: torch.Tensor) -> torch.Tensor:
                 return x[row_idx]
-        argmax = padded(fast_argmax(target_logits))  # (B, K+1)
+        argmax = padded(fast_argmax(target_logits, self.kernels is not None))  # (B, K+1)
         ids = torch.tensor([[*d, *([0] * (kmax - len(d)))] for d in draft_ids], dtype=torch.long,
                            device=device).view(bsz, kmax)
         q = None
@@ -281,7 +281,7 @@ class RejectionSampler:
         they equal it, then the winner at the first difference (or the bonus row). That is
         plain sampling's token at every position, whatever the drafts: exact, and the same
         output as speculation off. (Unseeded non-greedy rows are not computed here.)"""
-        out = greedy_rows(target_logits, num_drafts, draft_ids)
+        out = greedy_rows(target_logits, num_drafts, draft_ids, self.kernels is not None)
         keys, rows, row = [], [], 0
         for k, s in zip(num_drafts, seeded):
             if s is not None:
@@ -306,10 +306,11 @@ class RejectionSampler:
         return out
 
 
-def greedy_rows(target_logits: torch.Tensor, num_drafts: list[int], draft_ids: list[list[int]]) -> list[list[int]]:
+def greedy_rows(target_logits: torch.Tensor, num_drafts: list[int], draft_ids: list[list[int]],
+                host: bool = False) -> list[list[int]]:
     """All-greedy batch: one argmax over every verified row, then the accept walk in Python
-    (a handful of tokens; cheaper than a dozen tiny tensor ops)."""
-    argmax = fast_argmax(target_logits).tolist()
+    (a handful of tokens; cheaper than a dozen tiny tensor ops). ``host``: see fast_argmax."""
+    argmax = fast_argmax(target_logits, host).tolist()
     out, row = [], 0
     for k, drafts in zip(num_drafts, draft_ids):
         m = 0

@@ -42,7 +42,7 @@ _PLAIN_ARGMAX_MAX = 24 * 1024
 _NUMPY_ARGMAX_MAX = 256 * 1024
 
 
-def fast_argmax(x: torch.Tensor) -> torch.Tensor:
+def fast_argmax(x: torch.Tensor, host: bool = False) -> torch.Tensor:
     """argmax over the last dim of (N, V), first maximum on ties, like ``torch.argmax``.
 
     PyTorch's CPU argmax over a large vocabulary is slow (measured: 230 us for 16 x 32000
@@ -52,7 +52,8 @@ def fast_argmax(x: torch.Tensor) -> torch.Tensor:
     1 x 4096, 19 vs 22 for 5 x 4096, 35 vs 27 for 16 x 4096, 31 vs 20 for 1 x 32000.
     """
     n, v = x.shape
-    if x.device.type == "cpu" and x.dtype == torch.float32 and n * v <= _NUMPY_ARGMAX_MAX and x.is_contiguous():
+    if host and x.dtype == torch.float32 and n * v <= _NUMPY_ARGMAX_MAX and x.is_contiguous():
+        # ``host``: the caller's tensors are in host memory (its device, known at load time).
         # NumPy's argmax has the same rule (first maximum, a NaN counts as the largest) and
         # none of an operator call's overhead: 1 x 4096 1.4 us against 6.8, 4 x 4096 2.0
         # against 23, 1 x 32000 2.6 against 15.5 (2 Xeon cores). Past a few hundred thousand
@@ -235,11 +236,12 @@ class Sampler:
         self.generator.manual_seed(seed)
         self.kernels = kernels  # the compiled CPU kernels' cut-offs, where the execution plan runs them
         self.noise = SeededNoise(kernels)
+        self.host = device.type == "cpu"  # fast_argmax's NumPy path
 
     def sample(self, logits: torch.Tensor, st: SamplingTensors, seeded: list[int | None]) -> torch.Tensor:
         """(N, V) logits -> (N,) token ids. ``seeded[i]``: row i's ``seeded_key`` (its request's
         seed and the position sampled), or None for an unseeded row."""
-        greedy_tokens = fast_argmax(logits)
+        greedy_tokens = fast_argmax(logits, self.host)
         if st.all_greedy:
             return greedy_tokens
         probs = filtered_probs(logits, st)

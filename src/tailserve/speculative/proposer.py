@@ -246,6 +246,7 @@ class DraftModelProposer:
         # metadata, and for the chain the slot tables computed once per round.
         self.attn_backend = attn_backend
         self.block_size, self.device, self.generator = block_size, device, generator
+        self.host = device.type == "cpu"  # fast_argmax's NumPy path
         self.noise = SeededNoise(sampling_kernels)  # seeded rows' races (sample/sampler.py)
         self.sampling_kernels = sampling_kernels  # kernels.cpu.CpuKernels where the plan runs them
         self.stop_margin = stop_margin
@@ -483,7 +484,7 @@ class DraftModelProposer:
         if all(i.params.greedy for i in active):
             # Greedy verification compares tokens only; q is not needed.
             if not stop:
-                for i, tok in zip(active, fast_argmax(logits).tolist()):
+                for i, tok in zip(active, fast_argmax(logits, self.host).tolist()):
                     drafts[i.request_id].append(tok)
                 return
             top = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(2, dim=-1)  # (N, 2)
@@ -496,7 +497,7 @@ class DraftModelProposer:
         st = SamplingTensors.from_params([i.params for i in active], logits.shape[-1], self.device,
                                         self.sampling_kernels)
         q = filtered_probs(logits, st)  # (N, V)
-        greedy_tok = fast_argmax(logits)
+        greedy_tok = fast_argmax(logits, self.host)
         sampled = sample_from_probs(q, row_uniforms(len(active), self.generator, self.device))
         seeded = [row for row, i in enumerate(active) if i.seed is not None and not i.params.greedy]
         if seeded:
