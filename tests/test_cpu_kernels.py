@@ -296,6 +296,18 @@ def test_the_decode_attention_kernel_matches_the_reference(seed, kv_dtype):
     assert not isinstance(backend.build([long], [long], [list(range(-(-long // bs)))]), CpuDecodeMetadata)
 
 
+def _scattered_step(ctxs: list[int], qlens: list[int], h: int, kvh: int, d: int, bs: int, seed: int):
+    """A step's inputs over a bf16 cache: each sequence's blocks scattered at random, random
+    cache contents, and q, k, v for its new rows. Returns (tables, cache, q, k, v)."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-c // bs) for c in ctxs) + 2
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [[free.pop() for _ in range(-(-c // bs))] for c in ctxs]
+    cache = torch.randn(2, num_blocks, bs, kvh, d, generator=g).to(torch.bfloat16)
+    q, k, v = (torch.randn(sum(qlens), n, d, generator=g) for n in (h, kvh, kvh))
+    return tables, cache, q, k, v
+
+
 @needs_kernels
 @pytest.mark.parametrize("h, kvh, d, bs, window", [(6, 2, 64, 16, None), (6, 2, 64, 16, 45), (4, 2, 80, 16, None),
                                                    (2, 2, 48, 8, 13), (4, 1, 128, 16, None), (4, 2, 72, 16, None)])
@@ -307,14 +319,8 @@ def test_a_bf16_cache_read_in_pairs_gives_attention_over_its_values(h, kvh, d, b
     from tailserve.attention.cpu_decode import CpuDecodeBackend
     from tailserve.attention.reference import build_attention_metadata, paged_attention
 
-    g = torch.Generator().manual_seed(d + (window or 0))
     ctxs, qlens = [300, 17, 129, 8, 64], [1, 1, 5, 1, 3]
-    num_blocks = sum(-(-c // bs) for c in ctxs) + 2
-    free = torch.randperm(num_blocks, generator=g).tolist()
-    tables = [[free.pop() for _ in range(-(-c // bs))] for c in ctxs]
-    t = sum(qlens)
-    cache = torch.randn(2, num_blocks, bs, kvh, d, generator=g).to(torch.bfloat16)
-    q, k, v = (torch.randn(t, n, d, generator=g) for n in (h, kvh, kvh))
+    tables, cache, q, k, v = _scattered_step(ctxs, qlens, h, kvh, d, bs, d + (window or 0))
     meta = CpuDecodeBackend(bs, 8, 64, 512, window, torch.device("cpu"), kernels=KERNELS).build(qlens, ctxs, tables)
     got = meta.attend(q, k, v, cache.clone(), d ** -0.5)
     ref_meta = build_attention_metadata(qlens, ctxs, tables, bs, window, torch.device("cpu"))
@@ -710,15 +716,9 @@ def test_rows_of_one_sequence_attend_together_bitwise_as_each_alone(h, kvh, d, w
     positions goes row by row, also bitwise."""
     from tailserve.attention.cpu_decode import CpuDecodeBackend
 
-    g = torch.Generator().manual_seed(d + (window or 0))
     bs = 16
     ctxs, qlens = [300, 129, 40], [5, 9, 16]
-    num_blocks = sum(-(-c // bs) for c in ctxs) + 2
-    free = torch.randperm(num_blocks, generator=g).tolist()
-    tables = [[free.pop() for _ in range(-(-c // bs))] for c in ctxs]
-    t = sum(qlens)
-    cache = torch.randn(2, num_blocks, bs, kvh, d, generator=g).to(torch.bfloat16)
-    q, k, v = (torch.randn(t, n, d, generator=g) for n in (h, kvh, kvh))
+    tables, cache, q, k, v = _scattered_step(ctxs, qlens, h, kvh, d, bs, d + (window or 0))
     backend = CpuDecodeBackend(bs, 8, 64, 512, window, torch.device("cpu"), kernels=KERNELS)
     meta = backend.build(qlens, ctxs, tables)
     written = cache.clone()

@@ -169,6 +169,20 @@ def _extend_match(tokens: np.ndarray, ends: np.ndarray, pattern: np.ndarray) -> 
     return m + best, ends[agree == best]
 
 
+def _admit(prob: float, scale: float, has_draft: bool, cfg: SuffixConfig, calibration: DraftCalibration | None,
+           source: int, bucket: int) -> tuple[float, float] | None:
+    """Whether the next draft token, at cumulative probability ``prob``, is drafted: (the
+    scale from then on, its scaled probability), or None to stop. Below ``min_token_prob``
+    after scaling it stops, except where only the calibration holds the draft's first token:
+    one in PROBE_EVERY of those goes ahead, unscaled."""
+    scaled = min(prob * scale, 1.0)
+    if scaled >= cfg.min_token_prob:
+        return scale, scaled
+    if has_draft or calibration is None or prob < cfg.min_token_prob or calibration.hold(source, bucket):
+        return None
+    return 1.0, prob
+
+
 def _walk(tokens: np.ndarray, ends: np.ndarray, pattern: np.ndarray, k: int,
           cfg: SuffixConfig, source: int = LOCAL, calibration: DraftCalibration | None = None) -> Draft:
     """Draft from ``tokens`` given ``ends``, the positions where ``pattern[-1]`` occurs (each
@@ -177,10 +191,8 @@ def _walk(tokens: np.ndarray, ends: np.ndarray, pattern: np.ndarray, k: int,
     if not ends.size:
         return _no_draft()
     m, ends = _extend_match(tokens, ends, pattern)
-    scale = 1.0
-    if calibration is not None:
-        bucket = DraftCalibration.bucket(m)
-        scale = float(calibration.scales[source, bucket])
+    bucket = DraftCalibration.bucket(m)
+    scale = 1.0 if calibration is None else float(calibration.scales[source, bucket])
     limit = min(k, int(cfg.max_spec_factor * m))
     draft: list[int] = []
     cum: list[float] = []
@@ -202,13 +214,10 @@ def _walk(tokens: np.ndarray, ends: np.ndarray, pattern: np.ndarray, k: int,
             cont = tokens[np.where(inside, cols, 0)]
             together = (inside & (cont == cont[0]) & (cont >= 0)).all(axis=0)
             run = span.size if together.all() else int(np.argmin(together))  # >= 1: column 0 agrees
-            scaled = min(prob * scale, 1.0)
-            if scaled < cfg.min_token_prob:
-                if draft or calibration is None or prob < cfg.min_token_prob:
-                    break
-                if calibration.hold(source, bucket):
-                    break
-                scale, scaled = 1.0, prob
+            admitted = _admit(prob, scale, bool(draft), cfg, calibration, source, bucket)
+            if admitted is None:
+                break
+            scale, scaled = admitted
             draft.extend(cont[0, :run].tolist())
             cum.extend([float(prob)] * run)
             for _ in range(run):  # summed as the loop sums (a tie between sources stays one)
@@ -221,14 +230,10 @@ def _walk(tokens: np.ndarray, ends: np.ndarray, pattern: np.ndarray, k: int,
         values, counts = np.unique(nxt[valid], return_counts=True)
         best = int(np.argmax(counts))
         prob *= counts[best] / int(valid.sum())
-        scaled = min(prob * scale, 1.0)
-        if scaled < cfg.min_token_prob:
-            if draft or calibration is None or prob < cfg.min_token_prob:
-                break
-            # Only the calibration holds this draft: one in PROBE_EVERY goes ahead, unscaled.
-            if calibration.hold(source, bucket):
-                break
-            scale, scaled = 1.0, prob
+        admitted = _admit(prob, scale, bool(draft), cfg, calibration, source, bucket)
+        if admitted is None:
+            break
+        scale, scaled = admitted
         tok = int(values[best])
         draft.append(tok)
         cum.append(float(prob))

@@ -28,6 +28,14 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* The largest of a vector's 8 lanes. */
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
 static inline __m256 widen_bf16(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
@@ -781,11 +789,7 @@ static inline __attribute__((always_inline)) void attend_item_split(
             }
     }
     for (long g = 0; g < G; g++) {
-        __m256 m = _mm256_loadu_ps(mxv + g * 8);
-        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-        float hm = _mm_cvtss_f32(h);
+        float hm = hmax8(_mm256_loadu_ps(mxv + g * 8));
         if (hm > mx[g]) mx[g] = hm;
     }
     softmax_heads(p, pst, n, G, mx);
@@ -907,11 +911,7 @@ static void attend_group_split(const float* q, const void* k_cache, const void* 
         }
     }
     for (long h = 0; h < NH; h++) {
-        __m256 m = _mm256_loadu_ps(mxv + h * 8);
-        __m128 x = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-        x = _mm_max_ss(x, _mm_shuffle_ps(x, x, 1));
-        float hm = _mm_cvtss_f32(x);
+        float hm = hmax8(_mm256_loadu_ps(mxv + h * 8));
         if (hm > mx[h]) mx[h] = hm;
     }
     for (long r = 0; r < R; r++) softmax_heads(p + r * G * pst, pst, seq_lens[b0 + r], G, mx + r * G);
@@ -1025,13 +1025,6 @@ int tailserve_kernels_abi(void) { return 7; }
  * kept (ties with it stay). Both are found by three-way quickselect, expected O(V) per row,
  * where PyTorch's sort took 1.1 ms for 4 x 4096 on a 2-core AVX2 machine. out = -inf when the
  * row filters nothing (top_k >= V and top_p >= 1). Masses are summed in double. */
-
-static inline float hmax8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-    return _mm_cvtss_f32(m);
-}
 
 static inline void swap2(float* a, float* w, long i, long j) {
     float t = a[i]; a[i] = a[j]; a[j] = t;
