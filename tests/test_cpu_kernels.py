@@ -712,22 +712,22 @@ def test_rows_of_one_sequence_attend_together_bitwise_as_each_alone(h, kvh, d, w
     """A verification's rows (one sequence, one block table, consecutive positions) read each
     cache block once for all of them from a bf16 cache: every row's output is bitwise what the
     row gets attended alone, at contexts whose last block some rows read only part of, beside
-    another sequence's rows in the same step; a window that starts the rows at different
-    positions goes row by row, also bitwise."""
+    another sequence's rows in the same step, and alone in a step (one KV head: its rows split
+    in two groups, one a thread); a window that starts the rows at different positions goes
+    row by row, also bitwise."""
     from tailserve.attention.cpu_decode import CpuDecodeBackend
 
     bs = 16
-    ctxs, qlens = [300, 129, 40], [5, 9, 16]
-    tables, cache, q, k, v = _scattered_step(ctxs, qlens, h, kvh, d, bs, d + (window or 0))
     backend = CpuDecodeBackend(bs, 8, 64, 512, window, torch.device("cpu"), kernels=KERNELS)
-    meta = backend.build(qlens, ctxs, tables)
-    written = cache.clone()
-    together = meta.attend(q, k, v, written, d ** -0.5)
-    alone = []
-    row = 0
-    for c, n, table in zip(ctxs, qlens, tables):
-        for pos in range(c - n, c):
-            one = backend.build([1], [pos + 1], [table])  # the row as a plain decode at its position
-            alone.append(one.attend(q[row : row + 1], k[row : row + 1], v[row : row + 1], written, d ** -0.5))
-            row += 1
-    assert torch.equal(together, torch.cat(alone))
+    for ctxs, qlens in (([300, 129, 40], [5, 9, 16]), ([300], [9])):
+        tables, cache, q, k, v = _scattered_step(ctxs, qlens, h, kvh, d, bs, d + (window or 0))
+        written = cache.clone()
+        together = backend.build(qlens, ctxs, tables).attend(q, k, v, written, d ** -0.5)
+        alone = []
+        row = 0
+        for c, n, table in zip(ctxs, qlens, tables):
+            for pos in range(c - n, c):
+                one = backend.build([1], [pos + 1], [table])  # the row as a plain decode at its position
+                alone.append(one.attend(q[row : row + 1], k[row : row + 1], v[row : row + 1], written, d ** -0.5))
+                row += 1
+        assert torch.equal(together, torch.cat(alone))

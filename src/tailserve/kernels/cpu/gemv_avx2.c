@@ -989,6 +989,19 @@ static void attend_paged(const float* q, const void* k_cache, const void* v_cach
         b = e;
     }
     first[ngroups] = B;
+    /* Fewer work items than threads (one KV head, one sequence's verification): split the
+     * largest group in two until each thread has one. Rows attended apart or together give
+     * the same bits; a whole group on one thread ran a 5-row verification 1.7x slower than
+     * row by row on two (one KV head, 7,000 tokens). */
+    while (grouped && ngroups * KVH < threads) {
+        long best = -1, size = 1;
+        for (long i = 0; i < ngroups; i++)
+            if (first[i + 1] - first[i] > size) { size = first[i + 1] - first[i]; best = i; }
+        if (best < 0) break;  /* every group a single row already */
+        memmove(first + best + 2, first + best + 1, (size_t)(ngroups - best) * sizeof(long));
+        first[best + 1] = first[best] + (size + 1) / 2;
+        ngroups++;
+    }
     long work = ngroups * KVH;
     int nt = B * KVH * G * max_ctx * D < (1L << 16) ? 1 : threads;  /* small steps: no thread wake-up */
     void (*item)(const float*, const void*, const void*, const int32_t*, long, const int32_t*, float*, long, long,
