@@ -253,6 +253,25 @@ def test_explorations_that_cost_come_rarely_enough_to_stay_within_the_budget():
     assert rate > 0.96 * 16 / 0.006
 
 
+def test_an_admission_inside_an_exploration_is_not_its_cost():
+    """A step that admits a request (its prompt's prefill, paid whatever k is) reported while an
+    exploration is costed does not count toward that exploration's cost: the bucket's next
+    exploration is spaced by what its decode steps cost, not pushed thousands of steps away."""
+    def explore_with(admission_s):
+        ctl = _optimistic(explore_every=24)
+        _steady(ctl, 1, 0, tokens=1, seconds=0.001, steps=40)  # off measured
+        bkt = ctl.bucket(1)
+        ctl._decided[bkt] = 0
+        ctl._explore(2, bkt, 1)  # an exploration of k = 2, costed against off
+        ctl.observe_throughput(1, 0.001, 1, 2, False)  # the report that is still the previous step's
+        ctl.observe_throughput(1, admission_s, 1, 2, False, decode_only=False)  # a request admitted
+        for _ in range(ctl.explore_len + 1):
+            ctl.observe_throughput(2, 0.0012, 1, 2, True)  # its decode steps: 2 tokens in 1.2 ms
+        return ctl._min_interval.get(bkt, 0)
+
+    assert explore_with(0.2) == explore_with(0.001) == 0  # its decode steps beat off: nothing to pay back
+
+
 def test_explorations_take_turns_and_last_several_steps():
     ctl = _optimistic(explore_every=5, explore_len=3)
     ks, _ = _run(ctl, 1, lambda k: (1 + 0.9 * k, 0.005 + 0.0002 * k), 60)  # speculating pays

@@ -791,7 +791,11 @@ class AdaptiveSpeculation:
             self._settle(keep=k == 0 and self._probe is None)
         if self.fixed_k is not None or seconds <= 0 or num_decoding <= 0:
             return
-        if self._probe is not None:
+        if self._probe is not None and decode_only:
+            # A step that admits a request pays its prompt's prefill whatever k is (what drafts
+            # add to admissions is charged apart, ``_with_admissions``): costed here, a 1,800-token
+            # prefill inside one exploration set its bucket's next 3,795 steps away, and suffix
+            # decoding stayed off for a whole run of repeated requests (AVX-512, built-in target).
             self._cost_exploration(num_tokens, seconds)
         if k > 0:
             self._last_spec_step = self._steps
