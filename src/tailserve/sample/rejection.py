@@ -194,6 +194,7 @@ class RejectionSampler:
         self.block = verification == "block"
         self.verify = block_verify_probs if self.block else rejection_sample_probs
         self.kernels = kernels
+        self.host = generator.device.type == "cpu"  # fast_argmax's NumPy path
 
     def __call__(
         self,
@@ -205,7 +206,7 @@ class RejectionSampler:
         seeded: list[tuple[int, int] | None],  # per request (seed, position of its first verified row)
     ) -> list[list[int]]:
         if st.all_greedy:
-            return greedy_rows(target_logits, num_drafts, draft_ids, self.kernels is not None)
+            return greedy_rows(target_logits, num_drafts, draft_ids, self.host)
         greedy = st.greedy.tolist()
         if all(g or s is not None for g, s in zip(greedy, seeded)):
             # No row for the rule: argmax walks and races only.
@@ -231,7 +232,7 @@ class RejectionSampler:
 
             def padded(x: torch.Tensor) -> torch.Tensor:
                 return x[row_idx]
-        argmax = padded(fast_argmax(target_logits, self.kernels is not None))  # (B, K+1)
+        argmax = padded(fast_argmax(target_logits, self.host))  # (B, K+1)
         ids = torch.tensor([[*d, *([0] * (kmax - len(d)))] for d in draft_ids], dtype=torch.long,
                            device=device).view(bsz, kmax)
         q = None
@@ -281,7 +282,7 @@ class RejectionSampler:
         they equal it, then the winner at the first difference (or the bonus row). That is
         plain sampling's token at every position, whatever the drafts: exact, and the same
         output as speculation off. (Unseeded non-greedy rows are not computed here.)"""
-        out = greedy_rows(target_logits, num_drafts, draft_ids, self.kernels is not None)
+        out = greedy_rows(target_logits, num_drafts, draft_ids, self.host)
         keys, rows, row = [], [], 0
         for k, s in zip(num_drafts, seeded):
             if s is not None:
