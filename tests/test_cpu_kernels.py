@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from tailserve.kernels import cpu as cpu_kernels
 from tailserve.model.linear import Int8WeightOnlyLinearMethod, Linear, build_linear_method
 from tailserve.model.loader import load_model
+from tailserve.platform_info import cpu_flags
 
 KERNELS = cpu_kernels.kernels()
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason=f"compiled CPU kernels: {cpu_kernels.unavailable_reason()}")
@@ -90,6 +91,34 @@ def test_a_rows_product_in_panels_does_not_depend_on_its_batch():
     alone = torch.cat([KERNELS.gemm(x[i : i + 1], packed) for i in range(140)])
     for m in (*range(2, 18), 31, 64, 65, 140):
         assert torch.equal(KERNELS.gemm(x[:m], packed), alone[:m]), m
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_avx512_tiles_give_the_avx2_tiles_bits(threads):
+    """Where the CPU has AVX-512, panel products of 3+ rows run 512-bit tiles (R rows x 4 panels,
+    lanes widened out of column order and put back at the store); each output is still one
+    accumulator in k order, so every row count gives the AVX2 tiles' bits, N cut inside a panel
+    and with panels left over past the groups of 4. Elsewhere the switch stays off."""
+    has = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags()
+    before, threads_before = KERNELS.wide_tiles, torch.get_num_threads()
+    try:
+        assert KERNELS.set_wide_tiles(True) == has
+        if not has:
+            pytest.skip("the CPU has no AVX-512")
+        torch.set_num_threads(threads)
+        g = torch.Generator().manual_seed(44)
+        for n, k in ((16 * 7 + 5, 72), (640, 384), (40, 1032)):
+            packed = cpu_kernels.pack_panels(torch.randn(n, k, generator=g).bfloat16())
+            x = torch.randn(40, k, generator=g)
+            for m in (*range(1, 20), 40):
+                KERNELS.set_wide_tiles(True)
+                wide = KERNELS.gemm(x[:m], packed)
+                KERNELS.set_wide_tiles(False)
+                assert torch.equal(wide, KERNELS.gemm(x[:m], packed)), (n, k, m)
+    finally:
+        KERNELS.set_wide_tiles(before)
+        torch.set_num_threads(threads_before)
 
 
 @needs_kernels

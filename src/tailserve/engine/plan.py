@@ -50,6 +50,8 @@ class Capabilities:
     cpu_flags: frozenset[str] = frozenset()
     cpu_kernels: bool = False
     cpu_kernels_reason: str = "not detected"
+    # The kernels' panel products of 3+ rows run AVX-512 tiles (kernels.cpu, TAILSERVE_CPU_AVX512).
+    cpu_kernels_wide_tiles: bool = False
     onednn: bool = False
     cuda: bool = False
     cuda_capability: tuple[int, int] | None = None
@@ -76,11 +78,13 @@ def detect_capabilities(device: torch.device, want_cpu_kernels: bool = True) -> 
     second, then cached) only when the device is the CPU and they are wanted."""
     from tailserve.model.linear import onednn_available
 
-    kernels_ok, reason = False, "--no-cpu-kernels"
+    kernels_ok, reason, wide_tiles = False, "--no-cpu-kernels", False
     if device.type == "cpu" and want_cpu_kernels:
         from tailserve.kernels import cpu as cpu_kernels
 
-        kernels_ok = cpu_kernels.kernels() is not None
+        k = cpu_kernels.kernels()
+        kernels_ok = k is not None
+        wide_tiles = k is not None and k.wide_tiles
         reason = "built" if kernels_ok else cpu_kernels.unavailable_reason() or "unavailable"
     elif device.type != "cpu":
         reason = "not a CPU device"
@@ -89,6 +93,7 @@ def detect_capabilities(device: torch.device, want_cpu_kernels: bool = True) -> 
     # should not pay.
     has_triton = importlib.util.find_spec("triton") is not None
     return Capabilities(cpu_flags=cpu_flags(), cpu_kernels=kernels_ok, cpu_kernels_reason=reason,
+                        cpu_kernels_wide_tiles=wide_tiles,
                         onednn=device.type == "cpu" and onednn_available(), cuda=cuda,
                         cuda_capability=torch.cuda.get_device_capability(device) if cuda else None,
                         triton=has_triton, triton_interpreter=os.environ.get("TRITON_INTERPRET") == "1",
@@ -386,7 +391,9 @@ def plan_target(config: EngineConfig, arch: ModelArchConfig, device: torch.devic
     linear = _linear_plan(device, dtype, arch.dtype, config, caps, config.quantization,
                           weight_bytes=arch.num_parameters * arch.dtype.itemsize)
     if linear.method == "cpu-compact-weights":
-        dtype_reason += f"; weights kept in {_name(arch.dtype)} as stored (float32 arithmetic, compiled AVX2 kernels)"
+        dtype_reason += (f"; weights kept in {_name(arch.dtype)} as stored (float32 arithmetic, compiled AVX2 kernels"
+                         + (", AVX-512 tiles for 3+ rows" if linear.panel_packed and caps.cpu_kernels_wide_tiles
+                            else "") + ")")
     model = _model_plan(device, dtype, dtype_reason, arch, config, caps, linear, tp_size, config.attention_backend)
     cuda = device.type == "cuda"
     graph_capture = model.attention_backend in ("torch-reference", "triton-paged")
