@@ -8,8 +8,11 @@ import numpy as np
 import pytest
 import torch
 
+from tailserve.kernels.cpu import kernels
 from tailserve.sampling_params import SamplingParams
 from tailserve.speculative.suffix import GLOBAL, LOCAL, DraftCalibration, SuffixCache, SuffixConfig, SuffixProposer
+
+KERNELS = kernels()
 
 
 def _cache_draft(cache: SuffixCache, context: list[int], k: int = 8) -> list[int]:
@@ -180,6 +183,64 @@ def test_the_walks_shortcuts_make_the_step_by_step_walks_drafts():
         assert np.array_equal(ours.num_held, theirs.num_held)
         checked += 1
     assert checked > 1000
+
+
+@pytest.mark.skipif(KERNELS is None, reason="no compiled CPU kernels")
+def test_the_compiled_walk_makes_the_numpy_walks_drafts():
+    """The compiled walk (CpuKernels.suffix_walk) on the texts of the test above, as the
+    request's own text (int64, occurrences found in it) and as the global cache (int32, a
+    position list, evicted positions skipped), calibrated or not and with holds that probe:
+    exactly the NumPy walk's drafts, probabilities, match lengths, scores and hold counts."""
+    from tailserve.speculative.suffix import _walk, _walk_compiled
+
+    rng = np.random.default_rng(1)
+    checked = drafted = consulted = 0
+    for _ in range(1500):
+        vocab = int(rng.choice([3, 8, 50]))
+        n = int(rng.integers(2, 400))
+        base_text = rng.integers(0, vocab, size=int(rng.integers(1, 40)))
+        tokens = np.resize(base_text, n).astype(np.int64)
+        noisy = rng.random(n) < rng.choice([0.0, 0.05, 0.3])
+        tokens[noisy] = rng.integers(0, vocab, size=int(noisy.sum()))
+        own = rng.random() < 0.5
+        if not own and rng.random() < 0.5:
+            tokens[rng.random(n) < 0.02] = -1  # request boundaries, as in the global cache
+        cfg = SuffixConfig(max_depth=int(rng.choice([4, 24])), max_spec_factor=float(rng.choice([0.5, 1.0, 3.0])),
+                           min_token_prob=float(rng.choice([0.0, 0.1, 0.5])))
+        context = tokens if own else tokens[tokens >= 0]
+        if context.size < 2:
+            continue
+        pattern = context[-cfg.max_depth:]
+        k = int(rng.integers(1, 16))
+        ours, theirs = DraftCalibration(), DraftCalibration()
+        if rng.random() < 0.5:  # factors that hold drafts back, holds at every phase of their probe cycle
+            ours.scales = rng.random((2, 8)) * 2
+            ours.num_held[:] = rng.integers(0, 3 * DraftCalibration.PROBE_EVERY, size=(2, 8))
+            theirs.scales, theirs.num_held[:] = ours.scales.copy(), ours.num_held
+        held_before = ours.num_held.copy()
+        calibration = (ours, theirs) if rng.random() < 0.8 else (None, None)
+        source = LOCAL if own else GLOBAL
+        if own:
+            ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+            got = _walk_compiled(KERNELS, tokens, None, 0, pattern, k, cfg, source, calibration[0])
+        else:
+            ends = np.flatnonzero(tokens[:-1] == pattern[-1])
+            evicted = int(rng.integers(0, n // 2 + 1)) if rng.random() < 0.3 else 0
+            got = _walk_compiled(KERNELS, tokens.astype(np.int32), ends.astype(np.int32), evicted,
+                                 pattern.astype(np.int32), k, cfg, source, calibration[0])
+            ends = ends[ends >= evicted]
+        want = _walk(tokens, ends, pattern, k, cfg, source, calibration[1]) if ends.size else None
+        if want is None:
+            assert got.tokens == [] and got.match_len == 0
+            continue
+        assert (got.tokens, got.cum_probs, got.match_len, got.score) == \
+            (want.tokens, want.cum_probs, want.match_len, want.score)
+        if calibration[0] is not None:
+            assert np.array_equal(ours.num_held, theirs.num_held)
+            consulted += int((ours.num_held != held_before).any())
+        checked += 1
+        drafted += bool(got.tokens)
+    assert checked > 1000 and drafted > 500 and consulted > 50
 
 
 def test_the_next_tokens_calibrate_the_drafts_of_their_source_and_match_length():

@@ -292,7 +292,7 @@ class Worker:
         if plan is None:
             if config.speculative_method == "ngram":
                 return NgramProposer(config.ngram_min, config.ngram_max)
-            return SuffixProposer(_suffix_config(config)) if config.speculative_method == "suffix" else None
+            return SuffixProposer(_suffix_config(config), kernels) if config.speculative_method == "suffix" else None
         mp = plan.model
         draft_model, _ = load_model(plan.model_dir, plan.dtype, self.device, max_positions=self.max_model_len)
         draft_model.set_layer_ops(_layer_ops(mp, kernels))
@@ -318,7 +318,7 @@ class Worker:
             batched_single_rows=plan.chain_step == "batched")
         if config.speculative_method == "hybrid":
             # Lookups first, cheapest and longest first: suffix, then n-gram, else the model.
-            proposer = HybridProposer(proposer, [SuffixProposer(_suffix_config(config)),
+            proposer = HybridProposer(proposer, [SuffixProposer(_suffix_config(config), kernels),
                                                  NgramProposer(config.ngram_min, config.ngram_max)],
                                       self.arch.vocab_size)
         return proposer

@@ -32,6 +32,7 @@ import tempfile
 import threading
 import time
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -179,6 +180,14 @@ class CpuKernels:
         self._verify.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long] \
             + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int]
         self._verify.restype = None
+        walk_args = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+                     ctypes.c_long, ctypes.c_long, ctypes.c_double, ctypes.c_double, ctypes.c_void_p, ctypes.c_void_p,
+                     ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        self._suffix_walk = {}
+        for dtype, name in ((np.int64, "tailserve_suffix_walk_i64"), (np.int32, "tailserve_suffix_walk_i32")):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = walk_args, ctypes.c_long
+            self._suffix_walk[np.dtype(dtype)] = fn
 
     def set_wide_tiles(self, on: bool) -> bool:
         """Switch the panel products between AVX-512 and AVX2 tiles for this process (A/B
@@ -186,6 +195,33 @@ class CpuKernels:
         choice in force."""
         self.wide_tiles = bool(self._panel_isa(int(on)))
         return self.wide_tiles
+
+    def suffix_walk(self, tokens: np.ndarray, pattern: np.ndarray, where: np.ndarray | None, base: int, k: int,
+                    max_spec_factor: float, min_token_prob: float, scales: np.ndarray | None,
+                    probe: np.ndarray | None) -> tuple[list[int], list[float], int, int, float]:
+        """Suffix decoding's walk (``speculative.suffix._walk``, its drafts exactly) in one call.
+        ``tokens``: the text (int64 or int32, contiguous), ``pattern``: the context's last tokens
+        (the same dtype); ``where``: int32 positions of ``pattern[-1]`` in ``tokens`` (those
+        below ``base`` skipped), or None to find them in ``tokens[:-1]`` (the pattern is then
+        the text's end). With a calibration: per match-length bucket its factor (float64) and
+        whether its next hold lets a draft through (uint8). Returns (draft, cumulative
+        probabilities, match length, the bucket whose hold was consulted or -1, score)."""
+        fn = self._suffix_walk.get(tokens.dtype)
+        if fn is None or pattern.dtype != tokens.dtype or not tokens.flags.c_contiguous \
+                or not pattern.flags.c_contiguous or (where is not None and where.dtype != np.int32):
+            raise ValueError("suffix_walk takes contiguous int64 or int32 tokens and pattern of one dtype, "
+                             "int32 positions")
+        out_tokens = np.empty(max(k, 1), dtype=np.int64)
+        out_cum = np.empty(max(k, 1), dtype=np.float64)
+        info = np.empty(2, dtype=np.int64)
+        score = np.empty(1, dtype=np.float64)
+        calibrated = scales is not None
+        d = fn(tokens.ctypes.data, tokens.size, None if where is None else where.ctypes.data,
+               0 if where is None else where.size, base, pattern.ctypes.data, pattern.size, k, max_spec_factor,
+               min_token_prob, scales.ctypes.data if calibrated else None,
+               probe.ctypes.data if calibrated else None, int(calibrated), out_tokens.ctypes.data,
+               out_cum.ctypes.data, info.ctypes.data, score.ctypes.data)
+        return out_tokens[:d].tolist(), out_cum[:d].tolist(), int(info[0]), int(info[1]), float(score[0])
 
     def sampling_cutoffs(self, logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         """Per row of float32 logits (N, V): the smallest logit that survives top-k (int64

@@ -1555,3 +1555,110 @@ void tailserve_verify_drafts(const float* probs, long stride, const float* q, lo
     }
     (void)threads;
 }
+
+/* -- suffix decoding's walk (speculative/suffix.py `_walk`), step by step ------------------
+ * The NumPy walk pays ~3-10 us a NumPy call and makes dozens a proposal (~250 us of a ~2 ms
+ * step on repeated text); this is the same walk in one call. `tokens` (n) is the text, its
+ * last `plen` tokens the pattern (a request's own context), or the global cache with the
+ * pattern given apart and `where` its list of pattern[-1]'s positions (those below `base`
+ * evicted). Every step is the Python one's, in the same float64 operations: the match
+ * extended back a token at a time over the occurrences that still agree, then per draft token
+ * the most frequent continuation (ties to the smaller id, as np.unique then argmax), its count
+ * over the valid continuations times the probability so far, admitted as `_admit` does.
+ * info[0] = the match length, info[1] = the bucket whose hold was consulted (the caller counts
+ * it) or -1. Returns the draft's length. */
+static int cmp_i64(const void* a, const void* b) {
+    int64_t x = *(const int64_t*)a, y = *(const int64_t*)b;
+    return (x > y) - (x < y);
+}
+
+#define DEFINE_SUFFIX_WALK(NAME, TT)                                                                   \
+long NAME(const TT* tokens, long n, const int32_t* where, long num_where, long base, const TT* pattern, \
+          long plen, long k, double max_spec_factor, double min_token_prob, const double* scales,      \
+          const uint8_t* probe, int calibrated, int64_t* out_tokens, double* out_cum, int64_t* info,   \
+          double* out_score) {                                                                        \
+    info[0] = 0; info[1] = -1; *out_score = 0.0;                                                     \
+    if (plen <= 0 || n <= 0) return 0;                                                               \
+    TT last = pattern[plen - 1];                                                                     \
+    long cap = where ? num_where : n;                                                                \
+    int64_t* ends = malloc(sizeof(int64_t) * 2 * (size_t)(cap > 0 ? cap : 1));                       \
+    int64_t* nxt = ends + (cap > 0 ? cap : 1);                                                       \
+    long E = 0;                                                                                      \
+    if (where) {                                                                                     \
+        for (long i = 0; i < num_where; i++) if (where[i] >= base) ends[E++] = where[i];             \
+    } else {                                                                                         \
+        for (long i = 0; i + 1 < n; i++) if (tokens[i] == last) ends[E++] = i;                       \
+    }                                                                                                \
+    if (E == 0) { free(ends); return 0; }                                                            \
+    long m = 1;                                                                                      \
+    while (m < plen) {                                                                               \
+        TT want = pattern[plen - 1 - m];                                                             \
+        long keep = 0;                                                                               \
+        for (long i = 0; i < E; i++) {                                                               \
+            int64_t p = ends[i] - m;                                                                 \
+            if (p >= 0 && tokens[p] == want) keep++;                                                 \
+        }                                                                                            \
+        if (keep == 0) break;                                                                        \
+        long j = 0;                                                                                  \
+        for (long i = 0; i < E; i++) {                                                               \
+            int64_t p = ends[i] - m;                                                                 \
+            if (p >= 0 && tokens[p] == want) ends[j++] = ends[i];                                    \
+        }                                                                                            \
+        E = j;                                                                                       \
+        m++;                                                                                         \
+    }                                                                                                \
+    info[0] = m;                                                                                     \
+    long bucket = (m < 8 ? m : 8) - 1;                                                               \
+    double scale = calibrated ? scales[bucket] : 1.0;                                                \
+    long limit = (long)(max_spec_factor * (double)m);                                                \
+    if (limit > k) limit = k;                                                                        \
+    double prob = 1.0, score = 0.0;                                                                  \
+    long d = 0;                                                                                      \
+    while (d < limit) {                                                                              \
+        long nv = 0, j = 0;                                                                          \
+        for (long i = 0; i < E; i++) {                                                               \
+            if (ends[i] + 1 >= n) continue;                                                          \
+            ends[j] = ends[i];                                                                       \
+            TT t = tokens[ends[i] + 1];                                                              \
+            if (t >= 0) nxt[nv++] = t;                                                               \
+            j++;                                                                                     \
+        }                                                                                            \
+        E = j;                                                                                       \
+        if (nv == 0) break;                                                                          \
+        int64_t tok = nxt[0];                                                                        \
+        long count = nv;                                                                             \
+        int unanimous = 1;                                                                           \
+        for (long i = 1; i < nv; i++) if (nxt[i] != tok) { unanimous = 0; break; }                   \
+        if (!unanimous) {                                                                            \
+            qsort(nxt, (size_t)nv, sizeof(int64_t), cmp_i64);                                        \
+            count = 0;                                                                               \
+            for (long i = 0; i < nv;) {                                                              \
+                long r = i;                                                                          \
+                while (r < nv && nxt[r] == nxt[i]) r++;                                              \
+                if (r - i > count) { count = r - i; tok = nxt[i]; }                                  \
+                i = r;                                                                               \
+            }                                                                                        \
+        }                                                                                            \
+        prob *= (double)count / (double)nv;                                                          \
+        double scaled = prob * scale < 1.0 ? prob * scale : 1.0;                                     \
+        if (!(scaled >= min_token_prob)) {                                                           \
+            if (d > 0 || !calibrated || prob < min_token_prob) break;                                \
+            info[1] = bucket;                                                                        \
+            if (!probe[bucket]) break;                                                               \
+            scale = 1.0;                                                                             \
+            scaled = prob;                                                                           \
+        }                                                                                            \
+        out_tokens[d] = tok;                                                                         \
+        out_cum[d] = prob;                                                                           \
+        d++;                                                                                         \
+        score += scaled;                                                                             \
+        j = 0;                                                                                       \
+        for (long i = 0; i < E; i++) if (tokens[ends[i] + 1] == (TT)tok) ends[j++] = ends[i] + 1;    \
+        E = j;                                                                                       \
+    }                                                                                                \
+    *out_score = score;                                                                              \
+    free(ends);                                                                                      \
+    return d;                                                                                        \
+}
+DEFINE_SUFFIX_WALK(tailserve_suffix_walk_i64, int64_t)
+DEFINE_SUFFIX_WALK(tailserve_suffix_walk_i32, int32_t)
