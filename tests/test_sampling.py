@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tailserve import LLM, SamplingParams
-from tailserve.sample.sampler import SamplingTensors, filtered_probs
+from tailserve.sample.sampler import SamplingTensors, SamplingTensorsCache, filtered_probs
 
 
 @pytest.fixture(scope="module")
@@ -184,3 +184,34 @@ def test_inverse_cdf_never_draws_a_token_of_probability_zero():
         tokens = sample_from_probs(probs, u.expand(3)).tolist()
         assert tokens[0] in (1, 3) and tokens[1] == 4 and tokens[2] == 0, (u, tokens)
     assert sample_from_probs(probs, torch.tensor([0.0, 0.0, 0.0], dtype=torch.float64)).tolist() == [1, 4, 0]
+
+
+def test_repeated_rows_are_each_requests_row_counts_times():
+    """repeat_rows gives verification's k + 1 rows per request: one request's row broadcast,
+    several gathered; either way each field's rows are its request's, in order."""
+    params = [SamplingParams(temperature=0.7, top_k=3, top_p=0.9, min_p=0.05),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=1.3, top_k=2)]
+    for chosen, counts in (([0], [4]), ([0, 1, 2], [2, 1, 3]), ([2], [1])):
+        sub = SamplingTensors.from_params([params[i] for i in chosen], 8, torch.device("cpu"))
+        got = sub.repeat_rows(counts)
+        rows = [params[i] for i, c in zip(chosen, counts) for _ in range(c)]
+        want = SamplingTensors.from_params(rows, 8, torch.device("cpu"))
+        for field in ("temperature", "top_k", "top_p", "min_p", "greedy"):
+            g, w = getattr(got, field), getattr(want, field)
+            assert (g is None and w is None) or torch.equal(g, w), (chosen, field)
+        logits = torch.randn(len(rows), 8, generator=torch.Generator().manual_seed(len(rows)))
+        assert torch.equal(filtered_probs(logits, got), filtered_probs(logits, want))
+
+
+def test_sampling_tensors_are_reused_only_for_the_same_parameter_objects():
+    """A decode's requests keep their parameter objects step after step: the cache hands back
+    the same tensors for the same objects in the same order, and builds anew for another
+    object (even an equal one), another order or another count."""
+    a, b = SamplingParams(temperature=0.5), SamplingParams(temperature=0.9, top_k=4)
+    cache = SamplingTensorsCache(8, torch.device("cpu"))
+    first = cache.get([a, b])
+    assert cache.get([a, b]) is first
+    assert cache.get([b, a]) is not first and torch.equal(cache.get([b, a]).temperature, first.temperature.flip(0))
+    equal = SamplingParams(temperature=0.5)
+    again = cache.get([equal])
+    assert again is not first and cache.get([equal]) is again and cache.get([a]) is not again

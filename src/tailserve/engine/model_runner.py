@@ -40,7 +40,7 @@ from tailserve.model.llama import LlamaFamilyModel
 from tailserve.sample.bitmask import apply_token_bitmask
 from tailserve.sample.logits_processors import apply_logits_processors
 from tailserve.sample.rejection import RejectionSampler, greedy_rows, synthetic_rows
-from tailserve.sample.sampler import Sampler, SamplingTensors, fast_argmax, seeded_key
+from tailserve.sample.sampler import Sampler, SamplingTensors, SamplingTensorsCache, fast_argmax, seeded_key
 from tailserve.sampling_params import SamplingParams
 from tailserve.speculative.adaptive import VerifyCostProfile
 from tailserve.speculative.proposer import ProposalInput, Proposer
@@ -92,6 +92,7 @@ class ModelRunner:
         # The sampler (and its generator, which a draft model's proposer shares) is built first
         # by the worker when there is a proposer; a runner of its own otherwise.
         self.sampler = sampler or Sampler(arch.vocab_size, device, seed)
+        self._sampling_tensors = SamplingTensorsCache(arch.vocab_size, device, self.sampler.kernels)
         self.rejection_sampler = RejectionSampler(self.sampler.generator, self.sampler.noise, verification,
                                                   self.sampler.kernels)
         # Benchmarks only (LOSSY): drafts accepted with this probability whatever the target says.
@@ -486,7 +487,7 @@ class ModelRunner:
             if all(p.greedy for p in plist):
                 tokens = fast_argmax(logits, self.host)  # the common all-greedy case: nothing to prepare
             else:
-                st_t = SamplingTensors.from_params(plist, self.arch.vocab_size, self.device, self.sampler.kernels)
+                st_t = self._sampling_tensors.get(plist)
                 keys = [None if (seed := self.seed_of(st)) is None else seeded_key(seed, len(st.token_ids))
                         for st in sampled]
                 tokens = self.sampler.sample(logits, st_t, keys)
@@ -504,7 +505,7 @@ class ModelRunner:
             # Acceptance by argmax equality needs no sampling tensors and no draft q.
             emitted = greedy_rows(logits, num_drafts, drafts, self.host)
         else:
-            st_t = SamplingTensors.from_params(plist, self.arch.vocab_size, self.device, self.sampler.kernels)
+            st_t = self._sampling_tensors.get(plist)
             seeded = [None if (seed := self.seed_of(st)) is None else (seed, len(st.token_ids)) for st in sampled]
             probs = None
             if self.needs_draft_probs:

@@ -263,8 +263,9 @@ class RejectionSampler:
         q = None
         if draft_probs is not None:
             # Greedy and seeded rows carry no q (their results are replaced below): zeros.
-            q = torch.cat([dp[:k] if dp is not None and dp.shape[0] >= k else torch.zeros((k, v))
-                           for dp, k in zip(draft_probs, num_drafts)])
+            parts = [dp[:k] if dp is not None and dp.shape[0] >= k else torch.zeros((k, v))
+                     for dp, k in zip(draft_probs, num_drafts)]
+            q = parts[0] if len(parts) == 1 else torch.cat(parts)
         uniform = torch.rand((sum(num_drafts),), generator=self.generator)
         final_u = torch.rand((len(num_drafts),), generator=self.generator, dtype=torch.float64)
         acc, fin = self.kernels.verify_drafts(probs, q, draft_ids, num_drafts, uniform, final_u, self.block)

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from tailserve.sampling_params import SamplingParams
@@ -99,9 +100,22 @@ class SamplingTensors:
         )
 
     def repeat_rows(self, counts: list[int]) -> SamplingTensors:
-        """Row i repeated counts[i] times (for k+1 verification positions per request)."""
-        idx = torch.repeat_interleave(torch.arange(len(counts), device=self.greedy.device),
-                                      torch.tensor(counts, device=self.greedy.device))
+        """Row i repeated counts[i] times (for k+1 verification positions per request). One
+        request's row is broadcast (views: every consumer reads rows, none writes); several are
+        gathered by an index built on the host (``repeat_interleave`` with a tensor of counts
+        cost ~32 us a call on 2 Xeon cores, the gathers ~7 us each, once a speculative round)."""
+        if len(counts) == 1:
+            c = counts[0]
+            return SamplingTensors(
+                temperature=self.temperature.expand(c, 1),
+                top_k=None if self.top_k is None else self.top_k.expand(c),
+                top_p=None if self.top_p is None else self.top_p.expand(c),
+                min_p=None if self.min_p is None else self.min_p.expand(c),
+                greedy=self.greedy.expand(c),
+                all_greedy=self.all_greedy,
+                kernels=self.kernels,
+            )
+        idx = torch.from_numpy(np.repeat(np.arange(len(counts)), counts)).to(self.greedy.device)
         return SamplingTensors(
             temperature=self.temperature[idx],
             top_k=None if self.top_k is None else self.top_k[idx],
@@ -111,6 +125,26 @@ class SamplingTensors:
             all_greedy=self.all_greedy,
             kernels=self.kernels,
         )
+
+
+class SamplingTensorsCache:
+    """The last batch's SamplingTensors, reused while the same parameter objects come in the
+    same order: a decode's requests keep theirs step after step, and a draft's chain steps
+    share one round's. Building them is a few small tensors (~15 us a call on 2 Xeon cores,
+    paid once or twice a sampled speculative round); the check is an identity test per row."""
+
+    def __init__(self, vocab_size: int, device: torch.device, kernels: CpuKernels | None = None) -> None:
+        self.vocab_size, self.device, self.kernels = vocab_size, device, kernels
+        self._params: list[SamplingParams] = []
+        self._st: SamplingTensors | None = None
+
+    def get(self, params: list[SamplingParams]) -> SamplingTensors:
+        last = self._params
+        if self._st is not None and len(last) == len(params) and all(a is b for a, b in zip(last, params)):
+            return self._st
+        self._st = SamplingTensors.from_params(params, self.vocab_size, self.device, self.kernels)
+        self._params = list(params)
+        return self._st
 
 
 def _cutoffs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

@@ -22,7 +22,7 @@ from tailserve.attention.reference import build_attention_metadata, decode_metad
 from tailserve.model.config import ModelArchConfig
 from tailserve.model.llama import LlamaFamilyModel
 from tailserve.sample.sampler import (
-    SamplingTensors,
+    SamplingTensorsCache,
     SeededNoise,
     fast_argmax,
     filtered_probs,
@@ -249,6 +249,7 @@ class DraftModelProposer:
         self.host = device.type == "cpu"  # fast_argmax's NumPy path
         self.noise = SeededNoise(sampling_kernels)  # seeded rows' races (sample/sampler.py)
         self.sampling_kernels = sampling_kernels  # kernels.cpu.CpuKernels where the plan runs them
+        self._sampling_tensors = SamplingTensorsCache(arch.vocab_size, device, sampling_kernels)
         self.stop_margin = stop_margin
         self.upcast = upcasts_attention(device)
         # A single sequence's chain steps (see draft_step.py): PyTorch, or NumPy on the CPU.
@@ -494,11 +495,13 @@ class DraftModelProposer:
                 if margin < self.stop_margin:
                     stopped.add(i.request_id)
             return
-        st = SamplingTensors.from_params([i.params for i in active], logits.shape[-1], self.device,
-                                        self.sampling_kernels)
+        st = self._sampling_tensors.get([i.params for i in active])
         q = filtered_probs(logits, st)  # (N, V)
-        greedy_tok = fast_argmax(logits, self.host)
-        sampled = sample_from_probs(q, row_uniforms(len(active), self.generator, self.device))
+        uniform = row_uniforms(len(active), self.generator, self.device)
+        if self.sampling_kernels is not None:  # the plan's compiled CPU kernels: the same tokens in one call
+            sampled = self.sampling_kernels.inverse_cdf(q.contiguous(), uniform)
+        else:
+            sampled = sample_from_probs(q, uniform)
         seeded = [row for row, i in enumerate(active) if i.seed is not None and not i.params.greedy]
         if seeded:
             # A seeded row proposes its race's winner under q with the noise of the position
@@ -507,7 +510,10 @@ class DraftModelProposer:
                     for r in seeded]  # type: ignore[arg-type]
             idx = torch.tensor(seeded, device=self.device)
             sampled[idx] = self.noise.race(q[idx], keys).to(sampled.device)
-        tokens = torch.where(st.greedy, greedy_tok, sampled).tolist()
+        greedy_rows = [i.params.greedy for i in active]
+        tokens = sampled.tolist()
+        if any(greedy_rows):
+            tokens = [g if gr else t for g, t, gr in zip(fast_argmax(logits, self.host).tolist(), tokens, greedy_rows)]
         if stop:
             # Greedy rows' q is the plain softmax: the same margin as the all-greedy path.
             top = q.topk(2, dim=-1).values

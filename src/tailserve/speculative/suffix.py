@@ -14,8 +14,9 @@ verifies them with a one-hot q, so the output distribution is the target's.
 
 The paper's suffix trees are replaced by occurrence lists over flat token arrays, walked
 in one compiled call where the CPU kernels are built (``CpuKernels.suffix_walk``, step by
-step), with NumPy otherwise (the same drafts, tested): a suffix tree's node for the matched suffix is exactly the set of that suffix's
-occurrences, and its children's counts are the tokens that follow them. The global cache is
+step), with NumPy otherwise (the same drafts, tested): a suffix tree's node for the matched
+suffix is exactly the set of that suffix's occurrences, and its children's counts are the
+tokens that follow them. The global cache is
 one append-only array of finished requests' tokens (the end of the prompt, then the output;
 -1 between requests, so no match spans two) with, per token id, the positions where it
 occurs; it holds at most ``max_requests`` requests and is compacted when a quarter of it is
