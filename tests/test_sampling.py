@@ -199,6 +199,7 @@ def test_repeated_rows_are_each_requests_row_counts_times():
         for field in ("temperature", "top_k", "top_p", "min_p", "greedy"):
             g, w = getattr(got, field), getattr(want, field)
             assert (g is None and w is None) or torch.equal(g, w), (chosen, field)
+        assert (got.all_greedy, got.any_greedy) == (want.all_greedy, want.any_greedy)
         logits = torch.randn(len(rows), 8, generator=torch.Generator().manual_seed(len(rows)))
         assert torch.equal(filtered_probs(logits, got), filtered_probs(logits, want))
 
@@ -215,3 +216,22 @@ def test_sampling_tensors_are_reused_only_for_the_same_parameter_objects():
     equal = SamplingParams(temperature=0.5)
     again = cache.get([equal])
     assert again is not first and cache.get([equal]) is again and cache.get([a]) is not again
+
+
+def test_a_batch_of_greedy_and_sampled_rows_takes_argmax_only_for_the_greedy_ones():
+    """Greedy rows take the argmax, sampled rows the inverse-CDF draw of their own uniform,
+    whether the batch mixes them or holds sampled rows only (where no argmax is taken)."""
+    from tailserve.sample.sampler import Sampler, row_uniforms, sample_from_probs
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(5)) * 3
+    logits[0] = 0.0
+    logits[0, 7] = 1e-3  # a flat row: its argmax is 7, a draw from it almost never is
+    for greedy_rows in ((True, False, False), (False, False, False)):
+        params = [SamplingParams(temperature=0.0 if g else 0.9) for g in greedy_rows]
+        sampler = Sampler(50, torch.device("cpu"), seed=11)
+        st = SamplingTensors.from_params(params, 50, torch.device("cpu"))
+        got = sampler.sample(logits, st, [None] * 3).tolist()
+        gen = torch.Generator().manual_seed(11)
+        want = sample_from_probs(filtered_probs(logits, st), row_uniforms(3, gen, torch.device("cpu"))).tolist()
+        for row, g in enumerate(greedy_rows):
+            assert got[row] == (int(logits[row].argmax()) if g else want[row])
