@@ -144,6 +144,18 @@ def _walk_step_by_step(tokens, ends, pattern, k, cfg, source, calibration):
     return draft, cum, m, score
 
 
+def _noisy_repetition(rng: np.random.Generator) -> np.ndarray:
+    """A random text that repeats a random base with some noise: few or many occurrences of
+    every token, matches of every length."""
+    vocab = int(rng.choice([3, 8, 50]))
+    n = int(rng.integers(2, 400))
+    base = rng.integers(0, vocab, size=int(rng.integers(1, 40)))
+    tokens = np.resize(base, n).astype(np.int64)
+    noisy = rng.random(n) < rng.choice([0.0, 0.05, 0.3])
+    tokens[noisy] = rng.integers(0, vocab, size=int(noisy.sum()))
+    return tokens
+
+
 def test_the_walks_shortcuts_make_the_step_by_step_walks_drafts():
     """The walk extends a match over few occurrences in one comparison and takes a continuation
     that every occurrence shares in one gather: on repetitive texts with noise, request
@@ -154,12 +166,8 @@ def test_the_walks_shortcuts_make_the_step_by_step_walks_drafts():
     rng = np.random.default_rng(0)
     checked = 0
     for _ in range(1500):
-        vocab = int(rng.choice([3, 8, 50]))
-        n = int(rng.integers(2, 400))
-        base = rng.integers(0, vocab, size=int(rng.integers(1, 40)))
-        tokens = np.resize(base, n).astype(np.int64)
-        noisy = rng.random(n) < rng.choice([0.0, 0.05, 0.3])
-        tokens[noisy] = rng.integers(0, vocab, size=int(noisy.sum()))
+        tokens = _noisy_repetition(rng)
+        n = tokens.size
         if rng.random() < 0.3:
             tokens[rng.random(n) < 0.02] = -1  # request boundaries, as in the global cache
         cfg = SuffixConfig(max_depth=int(rng.choice([4, 24])), max_spec_factor=float(rng.choice([0.5, 1.0, 3.0])),
@@ -196,12 +204,8 @@ def test_the_compiled_walk_makes_the_numpy_walks_drafts():
     rng = np.random.default_rng(1)
     checked = drafted = consulted = 0
     for _ in range(1500):
-        vocab = int(rng.choice([3, 8, 50]))
-        n = int(rng.integers(2, 400))
-        base_text = rng.integers(0, vocab, size=int(rng.integers(1, 40)))
-        tokens = np.resize(base_text, n).astype(np.int64)
-        noisy = rng.random(n) < rng.choice([0.0, 0.05, 0.3])
-        tokens[noisy] = rng.integers(0, vocab, size=int(noisy.sum()))
+        tokens = _noisy_repetition(rng)
+        n = tokens.size
         own = rng.random() < 0.5
         if not own and rng.random() < 0.5:
             tokens[rng.random(n) < 0.02] = -1  # request boundaries, as in the global cache
