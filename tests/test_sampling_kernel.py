@@ -147,3 +147,20 @@ def test_compiled_verification_equals_the_pytorch_rules(block, one_hot):
         got = K.verify_drafts(torch.cat(p_rows), None if one_hot else torch.cat(q_rows), ids, nd.tolist(),
                               torch.cat(u), fu, block)
         assert got == (m.tolist(), final.tolist())
+
+
+def test_top2_margin_is_the_argmax_and_the_softmax_gap():
+    """A greedy draft's token and confidence in one pass: the first maximum (argmax's rule,
+    ties to the first), and p(top) - p(second) of the softmax within float32 rounding; a tie
+    at the top gives 0, banned (-inf) tokens weigh nothing."""
+    g = torch.Generator().manual_seed(3)
+    for scale in (0.1, 1.0, 5.0, 30.0):
+        x = torch.randn(6, 4099, generator=g) * scale  # V not a multiple of 8: the tail counts too
+        x[1, :2000] = float("-inf")
+        top, margin = K.top2_margin(x)
+        probs = torch.softmax(x.double(), -1).topk(2, -1).values
+        assert top == x.argmax(-1).tolist()
+        assert margin == pytest.approx((probs[:, 0] - probs[:, 1]).tolist(), abs=1e-6)
+    tied = torch.zeros(2, 10)
+    tied[0, 3] = tied[0, 5] = 1.0
+    assert K.top2_margin(tied) == ([3, 0], [0.0, 0.0])

@@ -180,6 +180,10 @@ class CpuKernels:
         self._verify.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long] \
             + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int]
         self._verify.restype = None
+        self._top2 = lib.tailserve_top2_margin
+        self._top2.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+                               ctypes.c_void_p]
+        self._top2.restype = None
         walk_args = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
                      ctypes.c_long, ctypes.c_long, ctypes.c_double, ctypes.c_double, ctypes.c_void_p, ctypes.c_void_p,
                      ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
@@ -195,6 +199,17 @@ class CpuKernels:
         choice in force."""
         self.wide_tiles = bool(self._panel_isa(int(on)))
         return self.wide_tiles
+
+    def top2_margin(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        """Per row of float32 logits (N, V): the argmax (first maximum) and p(it) - p(second)
+        of the row's softmax (a greedy draft's confidence), in one pass."""
+        if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+            raise ValueError("top2_margin takes float32 (N, V) logits with unit stride on V")
+        n, v = logits.shape
+        top = np.empty(n, dtype=np.int64)
+        margin = np.empty(n, dtype=np.float32)
+        self._top2(logits.data_ptr(), n, v, logits.stride(0), top.ctypes.data, margin.ctypes.data)
+        return top.tolist(), margin.tolist()
 
     def suffix_walk(self, tokens: np.ndarray, pattern: np.ndarray, where: np.ndarray | None, base: int, k: int,
                     max_spec_factor: float, min_token_prob: float, scales: np.ndarray | None,

@@ -1662,3 +1662,35 @@ long NAME(const TT* tokens, long n, const int32_t* where, long num_where, long b
 }
 DEFINE_SUFFIX_WALK(tailserve_suffix_walk_i64, int64_t)
 DEFINE_SUFFIX_WALK(tailserve_suffix_walk_i32, int32_t)
+
+/* A greedy draft's token and how sure the draft is of it, per row of float32 logits (N, V):
+ * top[r] = the first maximum (argmax's rule), margin[r] = p(top) - p(second) of the row's
+ * softmax = (1 - exp(l2 - l1)) / sum_j exp(l_j - l1), the second being the largest of the
+ * others (a tie: 0). The draft stops below speculative_draft_stop_margin; PyTorch's softmax
+ * and topk cost ~40 us a chain step here for what one pass computes. */
+void tailserve_top2_margin(const float* logits, long N, long V, long stride, int64_t* top, float* margin) {
+    for (long r = 0; r < N; r++) {
+        const float* x = logits + r * stride;
+        long i1 = 0;
+        float m1 = x[0];
+        for (long j = 1; j < V; j++)
+            if (x[j] > m1 || (x[j] != x[j] && m1 == m1)) { m1 = x[j]; i1 = j; }  /* a NaN counts as largest */
+        float m2 = -INFINITY;
+        for (long j = 0; j < V; j++)
+            if (j != i1 && x[j] > m2) m2 = x[j];
+        __m256 acc = _mm256_setzero_ps(), mv = _mm256_set1_ps(m1), ninf = _mm256_set1_ps(-INFINITY);
+        long j = 0;
+        for (; j + 8 <= V; j += 8) {
+            __m256 xv = _mm256_loadu_ps(x + j);
+            __m256 e = exp256(_mm256_sub_ps(xv, mv));
+            acc = _mm256_add_ps(acc, _mm256_and_ps(e, _mm256_cmp_ps(xv, ninf, _CMP_GT_OQ)));  /* -inf weighs 0 */
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, acc);
+        double s = 0.0;
+        for (int l = 0; l < 8; l++) s += lanes[l];
+        for (; j < V; j++) s += x[j] == -INFINITY ? 0.0 : exp((double)x[j] - m1);
+        top[r] = i1;
+        margin[r] = m1 != m1 || s <= 0.0 ? 0.0f : (float)((1.0 - exp((double)m2 - m1)) / s);
+    }
+}
