@@ -760,3 +760,43 @@ def test_rows_of_one_sequence_attend_together_bitwise_as_each_alone(h, kvh, d, w
                 alone.append(one.attend(q[row : row + 1], k[row : row + 1], v[row : row + 1], written, d ** -0.5))
                 row += 1
         assert torch.equal(together, torch.cat(alone))
+
+
+@needs_kernels
+def test_a_batch_1_greedy_chain_in_one_compiled_call_drafts_what_the_steps_do():
+    """A greedy sequence's chain at batch 1 runs in one compiled call (FusedDecodeModel
+    .greedy_chain): per round the same drafts as the step-by-step chain, stopping at the same
+    margin, the same outputs, and the draft's K/V cache bitwise the same at the end."""
+    from tailserve import LLM, SamplingParams
+
+    engines = [LLM(speculative_model="builtin", num_speculative_tokens=6, speculative_draft_stop_margin=0.3,
+                   kv_cache_memory_bytes=64 << 20) for _ in range(2)]
+    proposers = [e.engine.core.worker.proposer for e in engines]
+    assert proposers[0]._compiled_chain
+    proposers[1]._compiled_chain = False  # the step-by-step chain
+    rounds: list[list[list[int]]] = [[], []]
+    chain_calls = []
+    for n, prop in enumerate(proposers):
+        propose = prop.propose
+
+        def logged(inputs, n=n, propose=propose):
+            out = propose(inputs)
+            rounds[n].append([list(d) for d in out.draft_ids.values()])
+            return out
+        prop.propose = logged
+    fused = proposers[0].model.fused_decode
+    chain = fused.greedy_chain
+
+    def counted(*args, **kwargs):
+        got = chain(*args, **kwargs)
+        chain_calls.append(len(got or []))
+        return got
+    fused.greedy_chain = counted
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    for prompt in ("def parse(path):\n    with open(path) as f:", "import os\n\nclass Cache:\n    def __init__("):
+        outs = [e.generate([prompt], params)[0].outputs[0].token_ids for e in engines]
+        assert outs[0] == outs[1]
+    assert rounds[0] == rounds[1] and sum(chain_calls) > 20
+    assert any(0 < len(d) < 6 for r in rounds[0] for d in r)  # the margin stopped some chains
+    for a, b in zip(proposers[0].kv_caches, proposers[1].kv_caches):
+        assert torch.equal(a, b)

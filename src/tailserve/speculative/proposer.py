@@ -257,9 +257,16 @@ class DraftModelProposer:
         # Whether a one-row chain step also goes through the batched path (the backend's
         # kernel): the plan's chain step "batched". Default: where a backend is given and
         # the single step is not NumPy's.
+        # A batch-1 greedy chain in one compiled call (FusedDecodeModel.greedy_chain) where its
+        # steps would go through the fused model anyway: the CPU decode backend, batched single
+        # rows, no sliding window.
         if batched_single_rows is None:
             batched_single_rows = attn_backend is not None and not isinstance(self.single_step, NumpyStepAdapter)
         self.batched_single_rows = batched_single_rows
+        fused = model.fused_decode
+        self._compiled_chain = bool(batched_single_rows and attn_backend is not None and fused is not None
+                                    and fused.head is not None and arch.sliding_window is None
+                                    and model.rotary.cos.dtype == torch.float32 and model.rotary.cos.is_contiguous())
         self._block_offsets: torch.Tensor | None = None
 
     @property
@@ -350,6 +357,18 @@ class DraftModelProposer:
             active = [i for i in active if i.k > step and i.request_id not in stopped]
             if not active:
                 break
+            if len(active) == 1 and self._compiled_chain and active[0].params.greedy:
+                # One greedy sequence (batch 1): the rest of its chain in one compiled call, the
+                # same forwards and argmaxes as the steps below.
+                i = active[0]
+                rid = i.request_id
+                got = self.model.fused_decode.greedy_chain(
+                    drafts[rid][-1], len(i.all_token_ids) + step - 1, i.k - step, self.model.rotary, self.kv_caches,
+                    i.block_ids, None, self.stop_margin)
+                if got is not None:
+                    drafts[rid].extend(got)
+                    step += len(got)
+                    break
             if chain is None:
                 chain = self._chain_slots(active)
             logits = self._chain_forward(active, chain, step, [drafts[i.request_id][-1] for i in active])

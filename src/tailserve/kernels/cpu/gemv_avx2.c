@@ -1371,6 +1371,44 @@ long tailserve_decode_model(const tailserve_layer* layers, long n_layers, const 
     return -1;
 }
 
+void tailserve_top2_margin(const float* logits, long N, long V, long stride, int64_t* top, float* margin);
+
+/* A greedy draft's chain for one sequence in one call (speculative/proposer.py's chain steps:
+ * each feeds the last draft at the next position and takes the argmax of the logits), the
+ * same tailserve_decode_model call per step as the Python loop makes, so the drafts and the
+ * K/V written are bitwise its own. Step s feeds `token` (then each draft) at position
+ * first_pos + s, its slot from the sequence's block table (S's row 0, wide enough for the
+ * last position) and its rotary rows from the tables (rope_stride floats a position); it
+ * stops after `steps` drafts, or after a draft whose margin (tailserve_top2_margin) falls
+ * below stop_margin > 0. S->seq_lens and S->slots are the caller's one-row arrays, rewritten
+ * each step. Returns the number of drafts written to out. Python paid ~45 us a step around a
+ * ~100 us compiled forward (the metadata, the rotary slices, the sampling bookkeeping). */
+long tailserve_draft_chain(const tailserve_layer* layers, long n_layers, tailserve_step* S, int64_t token,
+                           long first_pos, long steps, const float* cos_table, const float* sin_table,
+                           long rope_stride, void* const* k_caches, void* const* v_caches, const float* embed,
+                           const float* norm_w, float norm_eps, int head_fmt, const void* head_w,
+                           const float* head_s, long V, double stop_margin, float* hidden, float* logits,
+                           int64_t* out) {
+    int32_t* seq_lens = (int32_t*)S->seq_lens;
+    int64_t* slots = (int64_t*)S->slots;
+    long n = 0;
+    for (long s = 0; s < steps; s++) {
+        long pos = first_pos + s;
+        seq_lens[0] = (int32_t)(pos + 1);
+        S->max_ctx = pos + 1;  /* as the step's own metadata has it (it sizes the scores' rows) */
+        slots[0] = (int64_t)S->block_tables[pos / S->block_size] * S->block_size + pos % S->block_size;
+        if (tailserve_decode_model(layers, n_layers, S, &token, embed, cos_table + pos * rope_stride,
+                                   sin_table + pos * rope_stride, k_caches, v_caches, norm_w, norm_eps, 0, 1, 1,
+                                   head_fmt, head_w, head_s, V, hidden, logits) >= 0)
+            return -1 - n;  /* a token outside the vocabulary: the caller raises */
+        float margin;
+        tailserve_top2_margin(logits, 1, V, V, &token, &margin);
+        out[n++] = token;
+        if (stop_margin > 0.0 && V >= 2 && (double)margin < stop_margin) break;  /* as Python compares */
+    }
+    return n;
+}
+
 /* Grammar masks (structured outputs): logits[rows[r], t] = -inf where bit t % 32 of
  * mask[r, t / 32] is clear. Words that allow everything are skipped and words that allow
  * nothing are filled 32 at a time: under a JSON grammar nearly every word is one or the
