@@ -224,28 +224,25 @@ class FusedDecodeModel:
             raise IndexError(f"token id {int(token_ids[bad])} is outside the vocabulary ({self.vocab_size})")
         return hidden, out
 
-
     def greedy_chain(self, token: int, first_pos: int, steps: int, rotary: RotaryEmbedding,
-                     kv_caches: list[torch.Tensor], block_ids: list[int], window: int | None,
-                     stop_margin: float) -> list[int] | None:
+                     kv_caches: list[torch.Tensor], block_ids: list[int], stop_margin: float) -> list[int] | None:
         """One sequence's greedy draft chain in one compiled call (``tailserve_draft_chain``):
         feed ``token`` at ``first_pos``, then each draft at the next position, up to ``steps``
         drafts, stopping after one whose softmax margin (top two) is below ``stop_margin`` > 0.
         Each step is the ``run`` a chain step makes with the head (the same compiled calls, so
-        the same drafts and K/V); None where this model's head is not the kernels'."""
-        if self.head is None or steps <= 0:
+        the same drafts and K/V); None where this model's head is not the kernels' or the
+        positions pass the rotary tables. For a model without a sliding window (the caller's)."""
+        cos, sin = rotary.cos, rotary.sin  # (positions, D) float32, contiguous
+        last = first_pos + steps - 1
+        if self.head is None or steps <= 0 or last >= cos.shape[0]:
             return None
         fmt, w, scales = self.head
         bs = kv_caches[0].shape[2]
-        last = first_pos + steps - 1
         table = np.array([block_ids[: last // bs + 1]], dtype=np.int32)
         seq_lens, slots = np.zeros(1, dtype=np.int32), np.zeros(1, dtype=np.int64)
         step = StepStruct(table.ctypes.data, table.shape[1], seq_lens.ctypes.data, slots.ctypes.data, 1, bs,
-                          window or 0, first_pos + 1, torch.get_num_threads(), KV_FORMATS[kv_caches[0].dtype])
+                          0, first_pos + 1, torch.get_num_threads(), KV_FORMATS[kv_caches[0].dtype])
         k_ptrs, v_ptrs = self._cache_pointers(kv_caches)
-        cos, sin = rotary.cos, rotary.sin  # (positions, D) float32, contiguous
-        if last >= cos.shape[0]:
-            return None
         hidden = torch.empty((1, self.hidden_size), dtype=torch.float32)
         logits = torch.empty((1, self.vocab_size), dtype=torch.float32)
         out = np.empty(steps, dtype=np.int64)

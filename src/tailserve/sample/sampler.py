@@ -115,7 +115,7 @@ class SamplingTensors:
                 min_p=None if self.min_p is None else self.min_p.expand(c),
                 greedy=self.greedy.expand(c),
                 all_greedy=self.all_greedy,
-            any_greedy=self.any_greedy,
+                any_greedy=self.any_greedy,
                 kernels=self.kernels,
             )
         idx = torch.from_numpy(np.repeat(np.arange(len(counts)), counts)).to(self.greedy.device)

@@ -257,12 +257,12 @@ class DraftModelProposer:
         # Whether a one-row chain step also goes through the batched path (the backend's
         # kernel): the plan's chain step "batched". Default: where a backend is given and
         # the single step is not NumPy's.
-        # A batch-1 greedy chain in one compiled call (FusedDecodeModel.greedy_chain) where its
-        # steps would go through the fused model anyway: the CPU decode backend, batched single
-        # rows, no sliding window.
         if batched_single_rows is None:
             batched_single_rows = attn_backend is not None and not isinstance(self.single_step, NumpyStepAdapter)
         self.batched_single_rows = batched_single_rows
+        # A batch-1 greedy chain in one compiled call (FusedDecodeModel.greedy_chain) where its
+        # steps would go through the fused model anyway: the CPU decode backend, batched single
+        # rows, no sliding window.
         fused = model.fused_decode
         self._compiled_chain = bool(batched_single_rows and attn_backend is not None and fused is not None
                                     and fused.head is not None and arch.sliding_window is None
@@ -364,7 +364,7 @@ class DraftModelProposer:
                 rid = i.request_id
                 got = self.model.fused_decode.greedy_chain(
                     drafts[rid][-1], len(i.all_token_ids) + step - 1, i.k - step, self.model.rotary, self.kv_caches,
-                    i.block_ids, None, self.stop_margin)
+                    i.block_ids, self.stop_margin)
                 if got is not None:
                     drafts[rid].extend(got)
                     step += len(got)
@@ -533,10 +533,9 @@ class DraftModelProposer:
                     for r in seeded]  # type: ignore[arg-type]
             idx = torch.tensor(seeded, device=self.device)
             sampled[idx] = self.noise.race(q[idx], keys).to(sampled.device)
-        greedy_rows = [i.params.greedy for i in active]
+        if st.any_greedy:  # as Sampler.sample: argmax only where a row takes it
+            sampled = torch.where(st.greedy, fast_argmax(logits, self.host), sampled)
         tokens = sampled.tolist()
-        if any(greedy_rows):
-            tokens = [g if gr else t for g, t, gr in zip(fast_argmax(logits, self.host).tolist(), tokens, greedy_rows)]
         if stop:
             # Greedy rows' q is the plain softmax: the same margin as the all-greedy path.
             top = q.topk(2, dim=-1).values
