@@ -762,20 +762,11 @@ def test_rows_of_one_sequence_attend_together_bitwise_as_each_alone(h, kvh, d, w
         assert torch.equal(together, torch.cat(alone))
 
 
-@needs_kernels
-def test_a_batch_1_greedy_chain_in_one_compiled_call_drafts_what_the_steps_do():
-    """A greedy sequence's chain at batch 1 runs in one compiled call (FusedDecodeModel
-    .greedy_chain): per round the same drafts as the step-by-step chain, stopping at the same
-    margin, the same outputs, and the draft's K/V cache bitwise the same at the end."""
-    from tailserve import LLM, SamplingParams
-
-    engines = [LLM(speculative_model="builtin", num_speculative_tokens=6, speculative_draft_stop_margin=0.3,
-                   kv_cache_memory_bytes=64 << 20) for _ in range(2)]
+def _logged_rounds(engines):
+    """Per engine, each proposal's drafts (wraps the proposers' ``propose``) and, for the
+    first engine, the drafts each compiled round call returned."""
     proposers = [e.engine.core.worker.proposer for e in engines]
-    assert proposers[0]._compiled_chain
-    proposers[1]._compiled_chain = False  # the step-by-step chain
-    rounds: list[list[list[int]]] = [[], []]
-    chain_calls = []
+    rounds: list[list[list[int]]] = [[] for _ in engines]
     for n, prop in enumerate(proposers):
         propose = prop.propose
 
@@ -785,18 +776,118 @@ def test_a_batch_1_greedy_chain_in_one_compiled_call_drafts_what_the_steps_do():
             return out
         prop.propose = logged
     fused = proposers[0].model.fused_decode
-    chain = fused.greedy_chain
+    draft_round = fused.draft_round
+    calls: list[int] = []
 
     def counted(*args, **kwargs):
-        got = chain(*args, **kwargs)
-        chain_calls.append(len(got or []))
+        got = draft_round(*args, **kwargs)
+        calls.append(len(got[0]) if got else 0)
         return got
-    fused.greedy_chain = counted
+    fused.draft_round = counted
+    return proposers, rounds, calls
+
+
+@needs_kernels
+def test_a_batch_1_greedy_round_in_one_compiled_call_drafts_what_the_steps_do():
+    """A greedy sequence's round at batch 1 (its catch-up and its chain) runs in one compiled
+    call (FusedDecodeModel.draft_round): per round the same drafts as the step-by-step
+    round, stopping at the same margin, the same outputs, and the draft's K/V cache bitwise
+    the same at the end."""
+    from tailserve import LLM, SamplingParams
+
+    engines = [LLM(speculative_model="builtin", num_speculative_tokens=6, speculative_draft_stop_margin=0.3,
+                   kv_cache_memory_bytes=64 << 20) for _ in range(2)]
+    proposers, rounds, calls = _logged_rounds(engines)
+    assert proposers[0]._compiled_chain
+    proposers[1]._compiled_chain = False  # the step-by-step round
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     for prompt in ("def parse(path):\n    with open(path) as f:", "import os\n\nclass Cache:\n    def __init__("):
         outs = [e.generate([prompt], params)[0].outputs[0].token_ids for e in engines]
         assert outs[0] == outs[1]
-    assert rounds[0] == rounds[1] and sum(chain_calls) > 20
+    assert rounds[0] == rounds[1] and sum(calls) > 20
     assert any(0 < len(d) < 6 for r in rounds[0] for d in r)  # the margin stopped some chains
     for a, b in zip(proposers[0].kv_caches, proposers[1].kv_caches):
         assert torch.equal(a, b)
+
+
+@needs_kernels
+@pytest.mark.parametrize("seeded", [False, True])
+def test_a_batch_1_sampled_round_in_one_compiled_call_draws_from_the_q_it_returns(seeded):
+    """A sampled sequence's round at batch 1 in one compiled call (catch-up of two tokens,
+    then the chain): each q row is softmax(logits / T) of the step's own logits (within
+    float rounding of filtered_probs on the same logits), each draft is the inverse CDF of
+    its returned q row at the uniform drawn for it (seeded: that row's race with the
+    position's key), the chain stops exactly where a q row's top-two margin falls below the
+    stop margin, and the draft's K/V are bitwise those of the same steps run one by one."""
+    import numpy as np
+
+    from tailserve import LLM, SamplingParams
+    from tailserve.sample.sampler import SamplingTensors, filtered_probs, seeded_key
+    from tailserve.speculative.proposer import ProposalInput
+
+    llm = LLM(speculative_model="builtin", num_speculative_tokens=6, speculative_draft_stop_margin=0.05,
+              kv_cache_memory_bytes=64 << 20)
+    prop = llm.engine.core.worker.proposer
+    assert prop._compiled_chain
+    fused, rotary, margin = prop.model.fused_decode, prop.model.rotary, 0.05
+    params = SamplingParams(temperature=0.8, max_tokens=8)
+    st = SamplingTensors.from_params([params], fused.vocab_size, torch.device("cpu"), KERNELS)
+    seed = 1234 if seeded else None
+    stops = 0
+    for text in ("def parse(path):\n    with open(path) as f:\n        return", "import os\nimport sys\n\n",
+                 "class Cache:\n    def __init__(self, size):\n        self."):
+        prompt = llm.tokenizer.encode(text)
+        n = len(prompt)
+        blocks = list(range(1, 2 + (n + 8) // 16))
+        prop.propose([ProposalInput("r", prompt, 0, n - 2, blocks, 0, params, seed)])  # the prompt's K/V
+        before = [c.clone() for c in prop.kv_caches]
+        prop.generator = torch.Generator().manual_seed(7)
+        uniforms = torch.rand((6,), generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+        got = prop._compiled_round(ProposalInput("r", prompt, n - 2, n, blocks, 6, params, seed), prompt[-2:], n - 2,
+                                   6, 0)
+        assert got is not None
+        drafts, q = got
+        assert 1 <= len(drafts) <= 6 and q.shape == (len(drafts), fused.vocab_size)
+        after = [c.clone() for c in prop.kv_caches]
+        for c, b in zip(prop.kv_caches, before):
+            c.copy_(b)
+        seq = list(prompt)
+        for j, tok in enumerate(drafts):
+            feed = seq[-2:] if j == 0 else seq[-1:]
+            pos = len(seq) - len(feed)
+            rows = slice(pos, pos + len(feed))
+            rope = (rotary.cos[rows, None].contiguous(), rotary.sin[rows, None].contiguous())
+            _, logits = fused.run(np.asarray(feed, dtype=np.int64), rope, prop.kv_caches,
+                                  prop.attn_backend.build([len(feed)], [len(seq)], [blocks]), len(feed), head=True)
+            torch.testing.assert_close(q[j], filtered_probs(logits, st)[0], rtol=1e-5, atol=1e-8)
+            row = q[j : j + 1].contiguous()
+            if seeded:
+                assert tok == int(KERNELS.seeded_race(row, [seeded_key(seed, n + j)])[0])
+            else:
+                assert tok == int(KERNELS.inverse_cdf(row, uniforms[j : j + 1])[0])
+            top = q[j].topk(2).values
+            unsure = float(top[0] - top[1]) < margin
+            assert unsure == (j == len(drafts) - 1 and len(drafts) < 6)
+            stops += unsure
+            seq.append(tok)
+        for a, b in zip(after, prop.kv_caches):
+            assert torch.equal(a, b)
+    assert stops  # the margin stopped a chain
+
+
+@needs_kernels
+def test_a_seeded_request_drafted_by_the_compiled_round_gives_speculation_offs_tokens():
+    """A seeded request at temperature 0.8, drafted at batch 1 by the compiled round (its q
+    not PyTorch's bits), emits exactly what it emits with speculation off: its tokens are its
+    races under the target's p, whatever was drafted; and drafts were accepted."""
+    from tailserve import LLM, SamplingParams
+
+    params = [SamplingParams(temperature=0.8, seed=11 + i, max_tokens=48, ignore_eos=True) for i in range(2)]
+    prompts = ["def parse(path):\n    with open(path) as f:", "import os\n\nclass Cache:\n    def __init__("]
+    off = LLM(kv_cache_memory_bytes=64 << 20)
+    spec = LLM(speculative_model="builtin", num_speculative_tokens=4, speculative_draft_stop_margin=0.1,
+               kv_cache_memory_bytes=64 << 20)
+    _, _, calls = _logged_rounds([spec])
+    for prompt, p in zip(prompts, params):
+        assert spec.generate([prompt], p)[0].outputs[0].token_ids == off.generate([prompt], p)[0].outputs[0].token_ids
+    assert len(calls) > 10 and spec.engine.spec_stats.num_accepted_tokens > 0

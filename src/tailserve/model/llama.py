@@ -224,36 +224,62 @@ class FusedDecodeModel:
             raise IndexError(f"token id {int(token_ids[bad])} is outside the vocabulary ({self.vocab_size})")
         return hidden, out
 
-    def greedy_chain(self, token: int, first_pos: int, steps: int, rotary: RotaryEmbedding,
-                     kv_caches: list[torch.Tensor], block_ids: list[int], stop_margin: float) -> list[int] | None:
-        """One sequence's greedy draft chain in one compiled call (``tailserve_draft_chain``):
-        feed ``token`` at ``first_pos``, then each draft at the next position, up to ``steps``
-        drafts, stopping after one whose softmax margin (top two) is below ``stop_margin`` > 0.
-        Each step is the ``run`` a chain step makes with the head (the same compiled calls, so
-        the same drafts and K/V); None where this model's head is not the kernels' or the
+    # draft_round's modes (tailserve_draft_round)
+    GREEDY, SAMPLED, SEEDED = 0, 1, 2
+
+    def draft_round(self, ids: list[int], first_pos: int, steps: int, rotary: RotaryEmbedding,
+                    kv_caches: list[torch.Tensor], block_ids: list[int], stop_margin: float, mode: int = 0,
+                    temperature: float = 1.0, uniforms: torch.Tensor | None = None,
+                    keys: list[int] | None = None) -> tuple[list[int], torch.Tensor | None] | None:
+        """One sequence's round of drafts in one compiled call (``tailserve_draft_round``):
+        feed ``ids`` at ``first_pos``.. (a catch-up of up to 16 tokens, or the last draft), draft
+        from the last row's logits, then feed each draft at the next position, up to ``steps``
+        drafts, stopping after one whose margin (top two) is below ``stop_margin`` > 0. Each
+        step is the ``run`` a chain step makes with the head (the same compiled calls, so the
+        same K/V and, greedy, the same drafts). ``mode``: GREEDY (argmax), SAMPLED (q =
+        softmax(logits / ``temperature``), the draft by inverse CDF at ``uniforms[n]``, float64)
+        or SEEDED (the exponential race with ``keys[n]``). Returns (drafts, their q rows (n, V)
+        float32; None when greedy); None where this model's head is not the kernels' or the
         positions pass the rotary tables. For a model without a sliding window (the caller's)."""
         cos, sin = rotary.cos, rotary.sin  # (positions, D) float32, contiguous
-        last = first_pos + steps - 1
-        if self.head is None or steps <= 0 or last >= cos.shape[0]:
+        n0 = len(ids)
+        last = first_pos + n0 - 1 + steps - 1  # the last position fed
+        if self.head is None or steps <= 0 or not 0 < n0 <= FusedDecodeLayer.MAX_ROWS or last >= cos.shape[0]:
             return None
         fmt, w, scales = self.head
         bs = kv_caches[0].shape[2]
         table = np.array([block_ids[: last // bs + 1]], dtype=np.int32)
-        seq_lens, slots = np.zeros(1, dtype=np.int32), np.zeros(1, dtype=np.int64)
-        step = StepStruct(table.ctypes.data, table.shape[1], seq_lens.ctypes.data, slots.ctypes.data, 1, bs,
-                          0, first_pos + 1, torch.get_num_threads(), KV_FORMATS[kv_caches[0].dtype])
+        seq_lens, slots = np.zeros(n0, dtype=np.int32), np.zeros(n0, dtype=np.int64)
+        # bt_stride 0: every row of the catch-up reads the sequence's one table row.
+        step = StepStruct(table.ctypes.data, 0, seq_lens.ctypes.data, slots.ctypes.data, n0, bs,
+                          0, first_pos + n0, torch.get_num_threads(), KV_FORMATS[kv_caches[0].dtype])
         k_ptrs, v_ptrs = self._cache_pointers(kv_caches)
         hidden = torch.empty((1, self.hidden_size), dtype=torch.float32)
         logits = torch.empty((1, self.vocab_size), dtype=torch.float32)
+        q = None if mode == self.GREEDY else torch.empty((steps, self.vocab_size), dtype=torch.float32)
+        u = None
+        if mode == self.SAMPLED:
+            u = uniforms.to(torch.float64).contiguous()
+            if u.numel() < steps:
+                raise ValueError(f"draft_round: {steps} steps need as many uniforms, got {u.numel()}")
+        k = None
+        if mode == self.SEEDED:
+            if keys is None or len(keys) < steps:
+                raise ValueError(f"draft_round: {steps} steps need as many keys")
+            k = np.asarray(keys, dtype=np.uint64)
+        ids_a = np.asarray(ids, dtype=np.int64)
         out = np.empty(steps, dtype=np.int64)
-        n = self.kernels.draft_chain(self.structs, self.num_layers, step, token, first_pos, steps, cos.data_ptr(),
-                                     sin.data_ptr(), cos.stride(0), k_ptrs, v_ptrs, self.embed.data_ptr(),
-                                     self.norm.weight.data_ptr(), self.norm.eps, fmt, w.data_ptr(),
-                                     0 if scales is None else scales.data_ptr(), self.vocab_size, stop_margin,
-                                     hidden.data_ptr(), logits.data_ptr(), out.ctypes.data)
+        n = self.kernels.draft_round(self.structs, self.num_layers, step, ids_a.ctypes.data, n0, first_pos, steps,
+                                     cos.data_ptr(), sin.data_ptr(), cos.stride(0), k_ptrs, v_ptrs,
+                                     self.embed.data_ptr(), self.norm.weight.data_ptr(), self.norm.eps, fmt,
+                                     w.data_ptr(), 0 if scales is None else scales.data_ptr(), self.vocab_size,
+                                     mode, temperature, 0 if u is None else u.data_ptr(),
+                                     0 if k is None else k.ctypes.data, stop_margin, hidden.data_ptr(),
+                                     logits.data_ptr(), 0 if q is None else q.data_ptr(), out.ctypes.data)
         if n < 0:
-            raise IndexError(f"token id {token} is outside the vocabulary ({self.vocab_size})")
-        return out[:n].tolist()
+            bad = [t for t in (*ids, *out[: -1 - n].tolist()) if not 0 <= t < self.vocab_size]
+            raise IndexError(f"token id {bad[0] if bad else ids[0]} is outside the vocabulary ({self.vocab_size})")
+        return out[:n].tolist(), None if q is None else q[:n]
 
 
 class RMSNorm(nn.Module):

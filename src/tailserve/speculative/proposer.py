@@ -260,7 +260,7 @@ class DraftModelProposer:
         if batched_single_rows is None:
             batched_single_rows = attn_backend is not None and not isinstance(self.single_step, NumpyStepAdapter)
         self.batched_single_rows = batched_single_rows
-        # A batch-1 greedy chain in one compiled call (FusedDecodeModel.greedy_chain) where its
+        # A batch-1 round of drafts in one compiled call (FusedDecodeModel.draft_round) where its
         # steps would go through the fused model anyway: the CPU decode backend, batched single
         # rows, no sliding window.
         fused = model.fused_decode
@@ -319,6 +319,18 @@ class DraftModelProposer:
         catch_up = [i for i in inputs if i.num_valid > i.num_seen]
         if not catch_up:
             return Proposal(drafts, {}, seen)
+        if len(catch_up) == 1 and self._compiled_chain:
+            # One sequence (batch 1) after the usual catch-up: the whole round in one compiled
+            # call, the same forwards as the steps below (see _compiled_round).
+            i = catch_up[0]
+            q = i.num_valid - i.num_seen
+            if i.k > 0 and i.num_valid == len(i.all_token_ids) and q <= _CHAIN_MAX_CATCH_UP:
+                got = self._compiled_round(i, i.all_token_ids[i.num_seen:], i.num_seen, i.k, 0)
+                if got is not None:
+                    seen[i.request_id] = i.num_valid
+                    drafts[i.request_id], q_rows = got
+                    return Proposal(drafts, {} if q_rows is None else {i.request_id: q_rows}, seen,
+                                    num_forwards=len(got[0]))
         # 1. Catch-up forward: every request's unseen tokens; sample the first draft of the
         #    requests whose sequence ends here (num_valid == all tokens) and that want k >= 1.
         chain = None
@@ -357,17 +369,18 @@ class DraftModelProposer:
             active = [i for i in active if i.k > step and i.request_id not in stopped]
             if not active:
                 break
-            if len(active) == 1 and self._compiled_chain and active[0].params.greedy:
-                # One greedy sequence (batch 1): the rest of its chain in one compiled call, the
-                # same forwards and argmaxes as the steps below.
+            if len(active) == 1 and self._compiled_chain:
+                # One sequence (batch 1): the rest of its chain in one compiled call, the same
+                # forwards as the steps below.
                 i = active[0]
                 rid = i.request_id
-                got = self.model.fused_decode.greedy_chain(
-                    drafts[rid][-1], len(i.all_token_ids) + step - 1, i.k - step, self.model.rotary, self.kv_caches,
-                    i.block_ids, self.stop_margin)
+                got = self._compiled_round(i, drafts[rid][-1:], len(i.all_token_ids) + step - 1, i.k - step,
+                                           len(drafts[rid]))
                 if got is not None:
-                    drafts[rid].extend(got)
-                    step += len(got)
+                    drafts[rid].extend(got[0])
+                    if got[1] is not None:
+                        probs[rid].extend(got[1].unbind(0))
+                    step += len(got[0])
                     break
             if chain is None:
                 chain = self._chain_slots(active)
@@ -378,6 +391,31 @@ class DraftModelProposer:
         # accepted, which the engine reports back through num_seen on the next round.
         out_probs = {rid: torch.stack(ps) for rid, ps in probs.items() if ps}
         return Proposal(drafts, out_probs, seen, num_forwards=step if steady else None)
+
+    def _compiled_round(self, i: ProposalInput, ids: list[int], first_pos: int, steps: int,
+                        drafted: int) -> tuple[list[int], torch.Tensor | None] | None:
+        """Up to ``steps`` drafts for one sequence in one compiled call
+        (``FusedDecodeModel.draft_round``): feed ``ids`` from ``first_pos``, then each draft;
+        ``drafted``: drafts this round made before these (a seeded race's position). Greedy
+        drafts are the steps' own (the argmax of the same logits). A sampled draft's q is the
+        softmax of logits / temperature computed in the call, not PyTorch's bits: the draft is
+        drawn from that q and verified against it, and a seeded request's output is its race
+        under the target's p whatever was drafted. None (the steps below instead) for sampling
+        filters the call does not apply (top-k, top-p, min-p) and positions past the tables."""
+        params, fused = i.params, self.model.fused_decode
+        uniforms, keys = None, None
+        if params.greedy:
+            mode = fused.GREEDY
+        elif params.effective_top_k or params.top_p < 1.0 or params.min_p > 0.0:
+            return None
+        elif i.seed is not None:
+            mode = fused.SEEDED
+            keys = [seeded_key(i.seed, len(i.all_token_ids) + drafted + j) for j in range(steps)]
+        else:
+            mode = fused.SAMPLED
+            uniforms = torch.rand((steps,), generator=self.generator, dtype=torch.float64)
+        return fused.draft_round(ids, first_pos, steps, self.model.rotary, self.kv_caches, i.block_ids,
+                                 self.stop_margin, mode, params.temperature, uniforms, keys)
 
     def _chain_slots(self, active: list[ProposalInput]) -> _Chain:
         """Per-round tables for the chain steps: step s >= 1 feeds draft s at position

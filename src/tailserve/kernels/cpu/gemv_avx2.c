@@ -1373,36 +1373,96 @@ long tailserve_decode_model(const tailserve_layer* layers, long n_layers, const 
 
 void tailserve_top2_margin(const float* logits, long N, long V, long stride, int64_t* top, float* margin);
 
-/* A greedy draft's chain for one sequence in one call (speculative/proposer.py's chain steps:
- * each feeds the last draft at the next position and takes the argmax of the logits), the
- * same tailserve_decode_model call per step as the Python loop makes, so the drafts and the
- * K/V written are bitwise its own. Step s feeds `token` (then each draft) at position
- * first_pos + s, its slot from the sequence's block table (S's row 0, wide enough for the
- * last position) and its rotary rows from the tables (rope_stride floats a position); it
- * stops after `steps` drafts, or after a draft whose margin (tailserve_top2_margin) falls
- * below stop_margin > 0. S->seq_lens and S->slots are the caller's one-row arrays, rewritten
- * each step. Returns the number of drafts written to out. Python paid ~45 us a step around a
- * ~100 us compiled forward (the metadata, the rotary slices, the sampling bookkeeping). */
-long tailserve_draft_chain(const tailserve_layer* layers, long n_layers, tailserve_step* S, int64_t token,
-                           long first_pos, long steps, const float* cos_table, const float* sin_table,
+/* q = softmax(logits / temperature) over V (sample/sampler.py filtered_probs without top-k,
+ * top-p or min-p): the division in float32 as PyTorch's, exp by exp256, the sum in double.
+ * Not PyTorch's bits (its softmax has its own exp), which a draft's q need not be: the draft
+ * samples from this q and the rejection sampler reads this q, and a seeded request's output
+ * is its race under the target's p whatever the draft proposed. */
+static void softmax_temperature(const float* logits, long V, float temperature, float* q) {
+    float m = -INFINITY;
+    for (long x = 0; x < V; x++) {
+        q[x] = logits[x] / temperature;
+        if (q[x] > m) m = q[x];
+    }
+    __m256 acc = _mm256_setzero_ps(), mv = _mm256_set1_ps(m), ninf = _mm256_set1_ps(-INFINITY);
+    long x = 0;
+    for (; x + 8 <= V; x += 8) {
+        __m256 zv = _mm256_loadu_ps(q + x);
+        __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(zv, mv)), _mm256_cmp_ps(zv, ninf, _CMP_GT_OQ));
+        _mm256_storeu_ps(q + x, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    double s = 0.0;
+    for (int l = 0; l < 8; l++) s += lanes[l];
+    for (; x < V; x++) {
+        q[x] = q[x] == -INFINITY ? 0.0f : expf(q[x] - m);
+        s += q[x];
+    }
+    const float inv = (float)(1.0 / s);
+    for (x = 0; x < V; x++) q[x] *= inv;
+}
+
+static inline long inverse_cdf_row(const float* p, double u, long V);
+void tailserve_seeded_race(const float* probs, long stride, const uint64_t* keys, long N, long V,
+                           int64_t* out, int threads);
+
+/* One sequence's round of drafts in one call (speculative/proposer.py, DraftModelProposer
+ * .propose at batch 1): step 0 feeds the n0 tokens ids0 at positions first_pos.. (the
+ * catch-up on what the last round accepted, or the last draft alone) and drafts from the
+ * last row's logits; each later step feeds the previous draft at the next position. Each
+ * step is the same tailserve_decode_model call as the Python step's (rows of one sequence:
+ * its block table, S's row 0, read by every row with bt_stride 0; slots and lengths by
+ * position, the rotary rows from the tables at rope_stride floats a position), so the K/V
+ * written are bitwise its own. mode 0 (greedy): the argmax, margin p(top) - p(second) of the
+ * softmax (tailserve_top2_margin); 1 (sampled) and 2 (seeded): q = softmax_temperature, written
+ * to q_out's row, the draft by inverse CDF at uniforms[n] (1) or the exponential race with
+ * keys[n] (2), margin q(top) - q(second). Stops after `steps` drafts or after one whose margin
+ * falls below stop_margin > 0. Returns the number of drafts written to out (-1 - n: a token
+ * outside the vocabulary). Python paid ~45 us a step around a ~100 us compiled forward, and
+ * ~50 us more to sample one (2 Xeon cores). */
+long tailserve_draft_round(const tailserve_layer* layers, long n_layers, tailserve_step* S, const int64_t* ids0,
+                           long n0, long first_pos, long steps, const float* cos_table, const float* sin_table,
                            long rope_stride, void* const* k_caches, void* const* v_caches, const float* embed,
                            const float* norm_w, float norm_eps, int head_fmt, const void* head_w,
-                           const float* head_s, long V, double stop_margin, float* hidden, float* logits,
+                           const float* head_s, long V, int mode, float temperature, const double* uniforms,
+                           const uint64_t* keys, double stop_margin, float* hidden, float* logits, float* q_out,
                            int64_t* out) {
     int32_t* seq_lens = (int32_t*)S->seq_lens;
     int64_t* slots = (int64_t*)S->slots;
+    const long bs = S->block_size;
     long n = 0;
+    int64_t token = 0;
     for (long s = 0; s < steps; s++) {
-        long pos = first_pos + s;
-        seq_lens[0] = (int32_t)(pos + 1);
-        S->max_ctx = pos + 1;  /* as the step's own metadata has it (it sizes the scores' rows) */
-        slots[0] = (int64_t)S->block_tables[pos / S->block_size] * S->block_size + pos % S->block_size;
-        if (tailserve_decode_model(layers, n_layers, S, &token, embed, cos_table + pos * rope_stride,
-                                   sin_table + pos * rope_stride, k_caches, v_caches, norm_w, norm_eps, 0, 1, 1,
+        const int64_t* ids = s == 0 ? ids0 : &token;
+        const long m = s == 0 ? n0 : 1;
+        const long pos = s == 0 ? first_pos : first_pos + n0 - 1 + s;  /* the step's first row */
+        for (long j = 0; j < m; j++) {
+            const long p = pos + j;
+            seq_lens[j] = (int32_t)(p + 1);
+            slots[j] = (int64_t)S->block_tables[p / bs] * bs + p % bs;
+        }
+        S->M = m;
+        S->max_ctx = pos + m;  /* as the step's own metadata has it (it sizes the scores' rows) */
+        if (tailserve_decode_model(layers, n_layers, S, ids, embed, cos_table + pos * rope_stride,
+                                   sin_table + pos * rope_stride, k_caches, v_caches, norm_w, norm_eps, m - 1, m, 1,
                                    head_fmt, head_w, head_s, V, hidden, logits) >= 0)
             return -1 - n;  /* a token outside the vocabulary: the caller raises */
         float margin;
-        tailserve_top2_margin(logits, 1, V, V, &token, &margin);
+        if (mode == 0) {
+            tailserve_top2_margin(logits, 1, V, V, &token, &margin);
+        } else {
+            float* q = q_out + n * V;
+            softmax_temperature(logits, V, temperature, q);
+            if (mode == 1) token = inverse_cdf_row(q, uniforms[n], V);
+            else tailserve_seeded_race(q, V, keys + n, 1, V, &token, 1);
+            long i1 = 0;
+            for (long x = 1; x < V; x++) if (q[x] > q[i1]) i1 = x;
+            float m2 = -INFINITY;
+            for (long x = 0; x < V; x++) if (x != i1 && q[x] > m2) m2 = q[x];
+            margin = q[i1] - m2;  /* as q.topk(2)'s two values subtract */
+        }
         out[n++] = token;
         if (stop_margin > 0.0 && V >= 2 && (double)margin < stop_margin) break;  /* as Python compares */
     }
