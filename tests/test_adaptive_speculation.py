@@ -518,6 +518,22 @@ def test_admission_steps_are_charged_apart_from_the_windows():
     assert ctl.measured_rate(1, 2) == pytest.approx(1 / per_token)
 
 
+def test_an_admissions_charge_compares_steps_of_as_many_computed_tokens():
+    """Off's admission steps came from cached prompts (a few tokens computed, 2 ms), k's from
+    new ones (60-90 tokens, 8-11 ms, 1 ms of it the draft's prefill): what k is charged an
+    admission is its steps beyond off's line through tokens -> seconds (0.1 ms a token here),
+    1 ms, not the 7 ms between the two sides' medians."""
+    ctl = AdaptiveSpeculation(k_max=4, spec_settle_steps=0)
+    for computed, seconds in ((4, 0.0024), (6, 0.0026), (5, 0.0025), (70, 0.0090)):
+        ctl._set(0, 1)
+        ctl.observe_throughput(1, seconds, *ctl.last_round, decode_only=False, computed_tokens=computed)
+    for computed in (60, 75, 90):
+        ctl._set(2, 1)
+        ctl.observe_throughput(1, 0.002 + 0.0001 * computed + 0.001, *ctl.last_round, decode_only=False,
+                               propose_s=0.001, computed_tokens=computed)
+    assert ctl._admissions[ctl.bucket(1)].extra_s() == pytest.approx(0.001)
+
+
 def test_a_cold_controller_does_not_explore_the_models_k_after_k1_measured_below_off():
     """The cost model leaves out what drafts cost besides the forwards (the rejection
     sampler, bookkeeping): it says k = 2 at batch 4, where every k is slower than off. After

@@ -529,7 +529,8 @@ class Scheduler:
             if last_step.spec_round is not None:
                 spec.observe_throughput(last_step.num_emitted, last_step.total_s, *last_step.spec_round,
                                         num_rounds=last_step.num_rounds, num_accepted=last_step.num_accepted,
-                                        decode_only=last_step.decode_only, propose_s=last_step.propose_s)
+                                        decode_only=last_step.decode_only, propose_s=last_step.propose_s,
+                                        computed_tokens=last_step.num_tokens)
         for seq in sched.scheduled:
             req = self.requests.get(seq.request_id)
             if req is None or req.status != RequestStatus.RUNNING:

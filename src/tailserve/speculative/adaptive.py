@@ -346,37 +346,55 @@ class _RateWindow:
 class _Admissions:
     """A batch bucket's admissions: how many per token emitted, and what a step that admits a
     request costs with k > 0 beyond one with k = 0 (the draft's prefill of the prompt, the
-    verify rows beside the prompt's chunk), as the difference of the medians of the last few
-    such steps' seconds; until both sides have some, the proposal's own seconds in the k > 0
-    ones (the draft's prefill). Medians, since the draft's first prefill ever (kernels
-    built, buffers sized) took several times the later ones and, averaged in, kept a cold
-    batch-1 run off for 230 steps."""
+    verify rows beside the prompt's chunk): over the last few such steps, each k > 0 step's
+    seconds beyond what an off step of as many computed tokens takes (a line through the off
+    steps, tokens -> seconds: the median of their pairwise slopes and the median intercept),
+    the median of those; until both sides have some, the proposal's own seconds in the k > 0
+    ones (the draft's prefill). Medians, since the draft's first prefill ever (kernels built,
+    buffers sized) took several times the later ones and, averaged in, kept a cold batch-1
+    run off for 230 steps. Sizes, since admissions differ by more than what k adds: with
+    prefix caching a repeated prompt computes a few tokens, a new one all of them, and the
+    plain difference of medians charged k 7.9 ms an admission (its steps from a first pass of
+    new prompts, off's from a second of cached ones) where the draft's prefill took 0.8-2 ms,
+    and kept a batch-1 bucket off where k = 2 ran 1.13x (built-in pair, t = 0.8, Xeon)."""
 
     tokens: float = 0.0
     admissions: float = 0.0
     propose_s: deque = field(default_factory=lambda: deque(maxlen=15))
-    on_s: deque = field(default_factory=lambda: deque(maxlen=15))
+    on_s: deque = field(default_factory=lambda: deque(maxlen=15))  # (computed tokens, seconds)
     off_s: deque = field(default_factory=lambda: deque(maxlen=15))
+    _extra: float | None = None  # extra_s(), until the next admission
 
-    def observe(self, num_tokens: int, admits: bool, k: int, seconds: float, propose_s: float) -> None:
+    def observe(self, num_tokens: int, admits: bool, k: int, seconds: float, propose_s: float,
+                computed_tokens: int = 0) -> None:
         if self.tokens > 1e5:  # the workload's recent mix: older halves fade
             self.tokens, self.admissions = self.tokens / 2, self.admissions / 2
         self.tokens += num_tokens
         if admits:
             self.admissions += 1
+            self._extra = None
             if k > 0:
                 self.propose_s.append(propose_s)
-                self.on_s.append(seconds)
+                self.on_s.append((computed_tokens, seconds))
             else:
-                self.off_s.append(seconds)
+                self.off_s.append((computed_tokens, seconds))
 
     def extra_s(self) -> float | None:
         """Seconds a k > 0 adds to an admission step (None: no such step seen)."""
         if not self.propose_s:
             return None
-        if len(self.on_s) >= 3 and len(self.off_s) >= 3:
-            return max(statistics.median(self.on_s) - statistics.median(self.off_s), 0.0)
-        return statistics.median(self.propose_s)
+        if self._extra is None:
+            self._extra = self._extra_s()
+        return self._extra
+
+    def _extra_s(self) -> float:
+        if len(self.on_s) < 3 or len(self.off_s) < 3:
+            return statistics.median(self.propose_s)
+        off = list(self.off_s)
+        slopes = [(s2 - s1) / (n2 - n1) for i, (n1, s1) in enumerate(off) for n2, s2 in off[i + 1:] if n2 != n1]
+        slope = max(statistics.median(slopes), 0.0) if slopes else 0.0
+        base = statistics.median(s - slope * n for n, s in off)
+        return max(statistics.median(s - (base + slope * n) for n, s in self.on_s), 0.0)
 
 
 @dataclass(slots=True)
@@ -778,13 +796,14 @@ class AdaptiveSpeculation:
 
     def observe_throughput(self, num_tokens: int, seconds: float, num_decoding: int, k: int, steady: bool,
                            greedy: bool = False, num_rounds: int = 0, num_accepted: int = 0,
-                           decode_only: bool = True, propose_s: float = 0.0) -> None:
+                           decode_only: bool = True, propose_s: float = 0.0, computed_tokens: int = 0) -> None:
         """A step with ``num_decoding`` decoding requests drafting ``k`` (its ``last_round``)
         emitted ``num_tokens`` tokens in ``seconds`` of whole step, ``num_accepted`` of them
         accepted drafts of the ``num_rounds`` requests that verified drafts in it; its
-        proposal took ``propose_s``. A decode-only step counts for its k only when the
-        previous step chose the same k (steady state); a step with prompt tokens (one that
-        admits a request) counts apart, see ``_with_admissions``."""
+        proposal took ``propose_s``, and the target computed ``computed_tokens``. A
+        decode-only step counts for its k only when the previous step chose the same k
+        (steady state); a step with prompt tokens (one that admits a request) counts apart,
+        see ``_with_admissions``."""
         if self._lease is not None:
             # The report of a k = 0 step outside an exploration changes nothing a quiet branch
             # reads (the last k reported stays 0): the lease stands, its steps counted so far.
@@ -817,7 +836,7 @@ class AdaptiveSpeculation:
         adm = self._admissions.get(bkt)
         if adm is None:
             adm = self._admissions[bkt] = _Admissions()
-        adm.observe(num_tokens + extra_tokens, not decode_only, k, seconds, propose_s)
+        adm.observe(num_tokens + extra_tokens, not decode_only, k, seconds, propose_s, computed_tokens)
         if not decode_only or not steady:
             return
         if k == 0 and self._steps - self._last_spec_step <= 1 + self.off_settle_steps:
