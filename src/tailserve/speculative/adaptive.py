@@ -973,7 +973,8 @@ class AdaptiveSpeculation:
             del self.ruled_out[bkt]
             self._held.pop(bkt, None)
         since = self._since_explore.get(bkt, 0) + 1
-        due = since >= max(self.explore_every * self._backoff.get(bkt, 1), self._min_interval.get(bkt, 0))
+        interval = self._explore_interval(bkt, since)
+        due = since >= interval
         held = self._held.get(bkt)
         if held is not None and held[1] > 0 and not due:
             # The bucket's last decision holds for decide_every steps: its windows move by a
@@ -989,7 +990,6 @@ class AdaptiveSpeculation:
             self._since_explore[bkt] = since
             quiet = held[0] == 0 and self._quiet(bkt, num_decoding, decode_only)
             if quiet:
-                interval = max(self.explore_every * self._backoff.get(bkt, 1), self._min_interval.get(bkt, 0))
                 self._grant_lease(num_decoding, greedy, bkt, interval - since - 1, held=True)
             else:
                 # A decision holds for decide_every *reported* steps: k = 0 decided afresh on
@@ -1202,36 +1202,51 @@ class AdaptiveSpeculation:
         on = self._with_admissions(self.rates[(bkt, k)].last_run_rate(self.expected_accepted(k)), bkt, k)
         return on >= self.rates[(bkt, 0)].last_run_rate() * (1.0 + margin)
 
+    def _explore_interval(self, bkt: int, since: int) -> int:
+        """Steps from the bucket's last exploration to its next (``since`` of them passed): the
+        backed-off interval, what the last exploration's cost allows, and while its first
+        exploration with drafts is put off, the step it is weighed again (see ``_explore_drafts``)."""
+        interval = max(self.explore_every * self._backoff.get(bkt, 1), self._min_interval.get(bkt, 0))
+        wait_until = self._first_wait_until.get(bkt)
+        if wait_until is not None and bkt not in self._drafted:
+            interval = max(interval, since + wait_until - self._steps)
+        return interval
+
     def _explore_drafts(self, k: int, bkt: int, num_decoding: int,
                         outlook: Callable[[], BatchOutlook] | None) -> int:
         """Explore ``k`` > 0, unless it would be the bucket's first exploration with drafts and
-        its cost does not yet fit the budget (see ``_drafted``): then off, held until the next
-        exploration falls due, when it is weighed again."""
+        its cost does not yet fit the budget (see ``_drafted``): then off, held until it is
+        weighed again (``_first_exploration_wait``'s steps on: no exploration falls due before)."""
         if bkt not in self._drafted:
             if self._steps < self._first_wait_until.get(bkt, 0):
                 return self._set(0, num_decoding)  # put off lately: not weighed again each step
-            if self._first_exploration_waits(bkt, num_decoding, k, outlook):
+            wait = self._first_exploration_wait(bkt, num_decoding, k, outlook)
+            if wait:
                 self.num_first_explorations_waited += 1
                 self._judge_bucket = None  # nothing explored: no verdict, no backoff
                 self._since_explore[bkt] = 0
                 self._decided[bkt] = 0
-                self._first_wait_until[bkt] = self._steps + self.explore_every
+                self._first_wait_until[bkt] = self._steps + wait
                 self._held[bkt] = [0, self.explore_every]
                 return self._set(0, num_decoding)
         return self._explore(k, bkt, num_decoding)
 
-    def _first_exploration_waits(self, bkt: int, num_decoding: int, k: int,
-                                 outlook: Callable[[], BatchOutlook] | None) -> bool:
-        """Whether the bucket's first exploration of ``k`` costs more, by the start-up profile,
-        than ``explore_budget`` of its horizon (the longer of its seconds so far and its
-        requests' remaining tokens at off's measured step). Only where the proposer catches up
+    def _first_exploration_wait(self, bkt: int, num_decoding: int, k: int,
+                                outlook: Callable[[], BatchOutlook] | None) -> int:
+        """Steps to put off the bucket's first exploration of ``k`` (0: explore now): while it
+        costs more, by the start-up profile, than ``explore_budget`` of its horizon (the longer
+        of its seconds so far and its requests' remaining tokens at off's measured step), until
+        the bucket's own seconds would cover it at off's step, at least ``explore_every`` and at
+        most four times that (a longer request may come meanwhile). Each weighing cost ~100-150
+        us (the bound, the outlook); weighed every ``explore_every`` steps, that was ~0.6 ms of a
+        128-token request's ~90 ms at batch 1 (built-in pair, Xeon). Only where the proposer catches up
         (a draft model): a lookup's first exploration costs no more than its later ones, and
         put off it cost suffix decoding most of its gain on the demo's repeated requests (1.07x
         at 0.33 drafts a token, against 1.25-1.37x at 0.80-0.82 exempt, the same hour, AVX2)."""
         off = self.rates.get((bkt, 0))
         if outlook is None or self.cost_profile is None or self.cost_profile.catch_up_s_per_token <= 0 \
                 or off is None or len(off.steps) < self.min_rate_steps:
-            return False
+            return 0
         off_s = off.per_step()[1]
         top = 1 << max(num_decoding - 1, 0).bit_length()  # the bucket's largest batch size
         view = outlook()
@@ -1239,9 +1254,12 @@ class AdaptiveSpeculation:
             top, k, min(self.target_cost.predict(num_decoding), off_s), self._greedy,
             self.explore_len + self.spec_settle_steps, view.context_tokens)
         if cost_s is None:
-            return False
+            return 0
         horizon_s = max(view.remaining_tokens * off_s, self._bucket_s.get(bkt, 0.0))
-        return cost_s > self.explore_budget * horizon_s
+        if cost_s <= self.explore_budget * horizon_s:
+            return 0
+        need = (cost_s / self.explore_budget - self._bucket_s.get(bkt, 0.0)) / off_s
+        return int(min(max(need, self.explore_every), 4 * self.explore_every))
 
     def _explore(self, k: int, bucket: int, num_decoding: int) -> int:
         """Run ``k`` for the next ``explore_len`` steps (this one included)."""
