@@ -811,11 +811,13 @@ def test_a_batch_1_greedy_round_in_one_compiled_call_drafts_what_the_steps_do():
 
 
 @needs_kernels
-@pytest.mark.parametrize("seeded", [False, True])
-def test_a_batch_1_sampled_round_in_one_compiled_call_draws_from_the_q_it_returns(seeded):
+@pytest.mark.parametrize("seeded,filters", [(False, {}), (True, {}), (False, dict(top_k=40, min_p=0.1)),
+                                            (True, dict(top_p=0.8))])
+def test_a_batch_1_sampled_round_in_one_compiled_call_draws_from_the_q_it_returns(seeded, filters):
     """A sampled sequence's round at batch 1 in one compiled call (catch-up of two tokens,
-    then the chain): each q row is softmax(logits / T) of the step's own logits (within
-    float rounding of filtered_probs on the same logits), each draft is the inverse CDF of
+    then the chain): each q row is the step's own logits through filtered_probs' rule
+    (temperature; top-k, top-p and min-p where set: the same tokens survive), within float
+    rounding of filtered_probs on the same logits, each draft is the inverse CDF of
     its returned q row at the uniform drawn for it (seeded: that row's race with the
     position's key), the chain stops exactly where a q row's top-two margin falls below the
     stop margin, and the draft's K/V are bitwise those of the same steps run one by one."""
@@ -830,9 +832,10 @@ def test_a_batch_1_sampled_round_in_one_compiled_call_draws_from_the_q_it_return
     prop = llm.engine.core.worker.proposer
     assert prop._compiled_chain
     fused, rotary, margin = prop.model.fused_decode, prop.model.rotary, 0.05
-    params = SamplingParams(temperature=0.8, max_tokens=8)
+    params = SamplingParams(temperature=0.8, max_tokens=8, **filters)
     st = SamplingTensors.from_params([params], fused.vocab_size, torch.device("cpu"), KERNELS)
     seed = 1234 if seeded else None
+    filtered = 0  # tokens the filters zeroed
     stops = 0
     for text in ("def parse(path):\n    with open(path) as f:\n        return", "import os\nimport sys\n\n",
                  "class Cache:\n    def __init__(self, size):\n        self."):
@@ -859,7 +862,10 @@ def test_a_batch_1_sampled_round_in_one_compiled_call_draws_from_the_q_it_return
             rope = (rotary.cos[rows, None].contiguous(), rotary.sin[rows, None].contiguous())
             _, logits = fused.run(np.asarray(feed, dtype=np.int64), rope, prop.kv_caches,
                                   prop.attn_backend.build([len(feed)], [len(seq)], [blocks]), len(feed), head=True)
-            torch.testing.assert_close(q[j], filtered_probs(logits, st)[0], rtol=1e-5, atol=1e-8)
+            ref = filtered_probs(logits, st)[0]
+            assert torch.equal(q[j] > 0, ref > 0)
+            filtered += int((ref == 0).sum())
+            torch.testing.assert_close(q[j], ref, rtol=1e-5, atol=1e-8)
             row = q[j : j + 1].contiguous()
             if seeded:
                 assert tok == int(KERNELS.seeded_race(row, [seeded_key(seed, n + j)])[0])
@@ -867,12 +873,16 @@ def test_a_batch_1_sampled_round_in_one_compiled_call_draws_from_the_q_it_return
                 assert tok == int(KERNELS.inverse_cdf(row, uniforms[j : j + 1])[0])
             top = q[j].topk(2).values
             unsure = float(top[0] - top[1]) < margin
-            assert unsure == (j == len(drafts) - 1 and len(drafts) < 6)
-            stops += unsure
+            if j < len(drafts) - 1:
+                assert not unsure  # an unsure draft ends the chain
+            elif len(drafts) < 6:
+                assert unsure  # it ended early: on an unsure draft
+                stops += 1
             seq.append(tok)
         for a, b in zip(after, prop.kv_caches):
             assert torch.equal(a, b)
     assert stops  # the margin stopped a chain
+    assert bool(filtered) == bool(filters)
 
 
 @needs_kernels

@@ -229,16 +229,18 @@ class FusedDecodeModel:
 
     def draft_round(self, ids: list[int], first_pos: int, steps: int, rotary: RotaryEmbedding,
                     kv_caches: list[torch.Tensor], block_ids: list[int], stop_margin: float, mode: int = 0,
-                    temperature: float = 1.0, uniforms: torch.Tensor | None = None,
+                    temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                    uniforms: torch.Tensor | None = None,
                     keys: list[int] | None = None) -> tuple[list[int], torch.Tensor | None] | None:
         """One sequence's round of drafts in one compiled call (``tailserve_draft_round``):
         feed ``ids`` at ``first_pos``.. (a catch-up of up to 16 tokens, or the last draft), draft
         from the last row's logits, then feed each draft at the next position, up to ``steps``
         drafts, stopping after one whose margin (top two) is below ``stop_margin`` > 0. Each
         step is the ``run`` a chain step makes with the head (the same compiled calls, so the
-        same K/V and, greedy, the same drafts). ``mode``: GREEDY (argmax), SAMPLED (q =
-        softmax(logits / ``temperature``), the draft by inverse CDF at ``uniforms[n]``, float64)
-        or SEEDED (the exponential race with ``keys[n]``). Returns (drafts, their q rows (n, V)
+        same K/V and, greedy, the same drafts). ``mode``: GREEDY (argmax), SAMPLED (q = the
+        softmax of logits / ``temperature`` after ``top_k`` (0: off), ``top_p`` and ``min_p``, as
+        ``filtered_probs`` filters; the draft by inverse CDF at ``uniforms[n]``, float64) or
+        SEEDED (the exponential race with ``keys[n]``). Returns (drafts, their q rows (n, V)
         float32; None when greedy); None where this model's head is not the kernels' or the
         positions pass the rotary tables. For a model without a sliding window (the caller's)."""
         cos, sin = rotary.cos, rotary.sin  # (positions, D) float32, contiguous
@@ -273,7 +275,8 @@ class FusedDecodeModel:
                                      cos.data_ptr(), sin.data_ptr(), cos.stride(0), k_ptrs, v_ptrs,
                                      self.embed.data_ptr(), self.norm.weight.data_ptr(), self.norm.eps, fmt,
                                      w.data_ptr(), 0 if scales is None else scales.data_ptr(), self.vocab_size,
-                                     mode, temperature, 0 if u is None else u.data_ptr(),
+                                     mode, temperature, top_k if 0 < top_k < self.vocab_size else self.vocab_size,
+                                     top_p, min_p, 0 if u is None else u.data_ptr(),
                                      0 if k is None else k.ctypes.data, stop_margin, hidden.data_ptr(),
                                      logits.data_ptr(), 0 if q is None else q.data_ptr(), out.ctypes.data)
         if n < 0:

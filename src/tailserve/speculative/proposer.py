@@ -397,17 +397,15 @@ class DraftModelProposer:
         """Up to ``steps`` drafts for one sequence in one compiled call
         (``FusedDecodeModel.draft_round``): feed ``ids`` from ``first_pos``, then each draft;
         ``drafted``: drafts this round made before these (a seeded race's position). Greedy
-        drafts are the steps' own (the argmax of the same logits). A sampled draft's q is the
-        softmax of logits / temperature computed in the call, not PyTorch's bits: the draft is
-        drawn from that q and verified against it, and a seeded request's output is its race
-        under the target's p whatever was drafted. None (the steps below instead) for sampling
-        filters the call does not apply (top-k, top-p, min-p) and positions past the tables."""
+        drafts are the steps' own (the argmax of the same logits). A sampled draft's q is
+        ``filtered_probs``' rule (temperature, top-k, top-p, min-p) computed in the call, not
+        PyTorch's bits: the draft is drawn from that q and verified against it, and a seeded
+        request's output is its race under the target's p whatever was drafted. None (the
+        steps below instead) for positions past the tables."""
         params, fused = i.params, self.model.fused_decode
         uniforms, keys = None, None
         if params.greedy:
             mode = fused.GREEDY
-        elif params.effective_top_k or params.top_p < 1.0 or params.min_p > 0.0:
-            return None
         elif i.seed is not None:
             mode = fused.SEEDED
             keys = [seeded_key(i.seed, len(i.all_token_ids) + drafted + j) for j in range(steps)]
@@ -415,7 +413,8 @@ class DraftModelProposer:
             mode = fused.SAMPLED
             uniforms = torch.rand((steps,), generator=self.generator, dtype=torch.float64)
         return fused.draft_round(ids, first_pos, steps, self.model.rotary, self.kv_caches, i.block_ids,
-                                 self.stop_margin, mode, params.temperature, uniforms, keys)
+                                 self.stop_margin, mode, params.temperature, params.effective_top_k or 0,
+                                 params.top_p, params.min_p, uniforms, keys)
 
     def _chain_slots(self, active: list[ProposalInput]) -> _Chain:
         """Per-round tables for the chain steps: step s >= 1 feeds draft s at position

@@ -167,7 +167,8 @@ class CpuKernels:
                                      ctypes.c_void_p, ctypes.c_long, ctypes.POINTER(ctypes.c_void_p),
                                      ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float,
                                      ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_int,
-                                     ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_double,
+                                     ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_float,
+                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_double,
                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         self.draft_round.restype = ctypes.c_long
         self._cutoffs = lib.tailserve_sampling_cutoffs

@@ -1373,16 +1373,28 @@ long tailserve_decode_model(const tailserve_layer* layers, long n_layers, const 
 
 void tailserve_top2_margin(const float* logits, long N, long V, long stride, int64_t* top, float* margin);
 
-/* q = softmax(logits / temperature) over V (sample/sampler.py filtered_probs without top-k,
- * top-p or min-p): the division in float32 as PyTorch's, exp by exp256, the sum in double.
- * Not PyTorch's bits (its softmax has its own exp), which a draft's q need not be: the draft
- * samples from this q and the rejection sampler reads this q, and a seeded request's output
- * is its race under the target's p whatever the draft proposed. */
-static void softmax_temperature(const float* logits, long V, float temperature, float* q) {
+void tailserve_sampling_cutoffs(const float* logits, long N, long V, long stride, const int64_t* top_k,
+                                const float* top_p, float* out, int threads);
+
+/* q = the draft's sampling distribution over V (sample/sampler.py filtered_probs): logits /
+ * temperature (the division in float32, PyTorch's bits), the tokens under the top-k / top-p
+ * cut-off (tailserve_sampling_cutoffs, the kernel filtered_probs itself calls) at -inf, the
+ * softmax (exp by exp256, the sum in double), then min-p: tokens under min_p times the largest
+ * probability to 0 and the rest renormalised. top_k >= V, top_p >= 1 and min_p <= 0 filter
+ * nothing. Not PyTorch's bits (its softmax has its own exp), which a draft's q need not be:
+ * the draft samples from this q and the rejection sampler reads this q, and a seeded request's
+ * output is its race under the target's p whatever the draft proposed. */
+static void draft_q(const float* logits, long V, float temperature, int64_t top_k, float top_p, float min_p,
+                    float* q) {
     float m = -INFINITY;
     for (long x = 0; x < V; x++) {
         q[x] = logits[x] / temperature;
         if (q[x] > m) m = q[x];
+    }
+    if (top_k < V || top_p < 1.0f) {
+        float cut;
+        tailserve_sampling_cutoffs(q, 1, V, V, &top_k, &top_p, &cut, 1);
+        for (long x = 0; x < V; x++) if (q[x] < cut) q[x] = -INFINITY;
     }
     __m256 acc = _mm256_setzero_ps(), mv = _mm256_set1_ps(m), ninf = _mm256_set1_ps(-INFINITY);
     long x = 0;
@@ -1400,8 +1412,20 @@ static void softmax_temperature(const float* logits, long V, float temperature, 
         q[x] = q[x] == -INFINITY ? 0.0f : expf(q[x] - m);
         s += q[x];
     }
-    const float inv = (float)(1.0 / s);
+    float inv = (float)(1.0 / s);
     for (x = 0; x < V; x++) q[x] *= inv;
+    if (min_p > 0.0f) {
+        float top = 0.0f;
+        for (x = 0; x < V; x++) if (q[x] > top) top = q[x];
+        const float threshold = min_p * top;
+        s = 0.0;
+        for (x = 0; x < V; x++) {
+            if (q[x] < threshold) q[x] = 0.0f;
+            s += q[x];
+        }
+        inv = (float)(1.0 / s);
+        for (x = 0; x < V; x++) q[x] *= inv;
+    }
 }
 
 static inline long inverse_cdf_row(const float* p, double u, long V);
@@ -1416,8 +1440,8 @@ void tailserve_seeded_race(const float* probs, long stride, const uint64_t* keys
  * its block table, S's row 0, read by every row with bt_stride 0; slots and lengths by
  * position, the rotary rows from the tables at rope_stride floats a position), so the K/V
  * written are bitwise its own. mode 0 (greedy): the argmax, margin p(top) - p(second) of the
- * softmax (tailserve_top2_margin); 1 (sampled) and 2 (seeded): q = softmax_temperature, written
- * to q_out's row, the draft by inverse CDF at uniforms[n] (1) or the exponential race with
+ * softmax (tailserve_top2_margin); 1 (sampled) and 2 (seeded): q = draft_q (temperature, top-k,
+ * top-p, min-p), written to q_out's row, the draft by inverse CDF at uniforms[n] (1) or the exponential race with
  * keys[n] (2), margin q(top) - q(second). Stops after `steps` drafts or after one whose margin
  * falls below stop_margin > 0. Returns the number of drafts written to out (-1 - n: a token
  * outside the vocabulary). Python paid ~45 us a step around a ~100 us compiled forward, and
@@ -1426,9 +1450,9 @@ long tailserve_draft_round(const tailserve_layer* layers, long n_layers, tailser
                            long n0, long first_pos, long steps, const float* cos_table, const float* sin_table,
                            long rope_stride, void* const* k_caches, void* const* v_caches, const float* embed,
                            const float* norm_w, float norm_eps, int head_fmt, const void* head_w,
-                           const float* head_s, long V, int mode, float temperature, const double* uniforms,
-                           const uint64_t* keys, double stop_margin, float* hidden, float* logits, float* q_out,
-                           int64_t* out) {
+                           const float* head_s, long V, int mode, float temperature, int64_t top_k, float top_p,
+                           float min_p, const double* uniforms, const uint64_t* keys, double stop_margin,
+                           float* hidden, float* logits, float* q_out, int64_t* out) {
     int32_t* seq_lens = (int32_t*)S->seq_lens;
     int64_t* slots = (int64_t*)S->slots;
     const long bs = S->block_size;
@@ -1454,7 +1478,7 @@ long tailserve_draft_round(const tailserve_layer* layers, long n_layers, tailser
             tailserve_top2_margin(logits, 1, V, V, &token, &margin);
         } else {
             float* q = q_out + n * V;
-            softmax_temperature(logits, V, temperature, q);
+            draft_q(logits, V, temperature, top_k, top_p, min_p, q);
             if (mode == 1) token = inverse_cdf_row(q, uniforms[n], V);
             else tailserve_seeded_race(q, V, keys + n, 1, V, &token, 1);
             long i1 = 0;
