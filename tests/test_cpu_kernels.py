@@ -776,51 +776,57 @@ def _logged_rounds(engines):
             return out
         prop.propose = logged
     fused = proposers[0].model.fused_decode
-    draft_round = fused.draft_round
-    calls: list[int] = []
+    draft_rounds = fused.draft_rounds
+    calls: list[int] = []  # per compiled call, the drafts it made
 
     def counted(*args, **kwargs):
-        got = draft_round(*args, **kwargs)
-        calls.append(len(got[0]) if got else 0)
+        got = draft_rounds(*args, **kwargs)
+        calls.append(sum(map(len, got[0])) if got else 0)
         return got
-    fused.draft_round = counted
+    fused.draft_rounds = counted
     return proposers, rounds, calls
 
 
 @needs_kernels
-def test_a_batch_1_greedy_round_in_one_compiled_call_drafts_what_the_steps_do():
-    """A greedy sequence's round at batch 1 (its catch-up and its chain) runs in one compiled
-    call (FusedDecodeModel.draft_round): per round the same drafts as the step-by-step
-    round, stopping at the same margin, the same outputs, and the draft's K/V cache bitwise
-    the same at the end."""
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_greedy_round_in_one_compiled_call_drafts_what_the_steps_do(batch):
+    """Greedy sequences' rounds (catch-up and chain) run in one compiled call
+    (FusedDecodeModel.draft_rounds), alone or three at a time: per round the same drafts as
+    the step-by-step round, stopping at the same margin, the same outputs, and the draft's
+    K/V cache bitwise the same at the end."""
     from tailserve import LLM, SamplingParams
 
     engines = [LLM(speculative_model="builtin", num_speculative_tokens=6, speculative_draft_stop_margin=0.3,
-                   kv_cache_memory_bytes=64 << 20) for _ in range(2)]
+                   kv_cache_memory_bytes=64 << 20, max_num_seqs=batch) for _ in range(2)]
     proposers, rounds, calls = _logged_rounds(engines)
     assert proposers[0]._compiled_chain
     proposers[1]._compiled_chain = False  # the step-by-step round
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-    for prompt in ("def parse(path):\n    with open(path) as f:", "import os\n\nclass Cache:\n    def __init__("):
-        outs = [e.generate([prompt], params)[0].outputs[0].token_ids for e in engines]
-        assert outs[0] == outs[1]
+    prompts = ["def parse(path):\n    with open(path) as f:", "import os\n\nclass Cache:\n    def __init__(",
+               "for i in range(10):\n    if i % 2:"]
+    for group in ([prompts[:2], prompts[2:]] if batch == 1 else [prompts]):
+        for chunk in ([[p] for p in group] if batch == 1 else [group]):
+            outs = [[o.outputs[0].token_ids for o in e.generate(chunk, params)] for e in engines]
+            assert outs[0] == outs[1]
     assert rounds[0] == rounds[1] and sum(calls) > 20
     assert any(0 < len(d) < 6 for r in rounds[0] for d in r)  # the margin stopped some chains
+    if batch > 1:
+        assert any(len(r) == batch for r in rounds[0])  # rounds of several sequences at once
     for a, b in zip(proposers[0].kv_caches, proposers[1].kv_caches):
         assert torch.equal(a, b)
 
 
 @needs_kernels
-@pytest.mark.parametrize("seeded,filters", [(False, {}), (True, {}), (False, dict(top_k=40, min_p=0.1)),
-                                            (True, dict(top_p=0.8))])
-def test_a_batch_1_sampled_round_in_one_compiled_call_draws_from_the_q_it_returns(seeded, filters):
-    """A sampled sequence's round at batch 1 in one compiled call (catch-up of two tokens,
-    then the chain): each q row is the step's own logits through filtered_probs' rule
-    (temperature; top-k, top-p and min-p where set: the same tokens survive), within float
-    rounding of filtered_probs on the same logits, each draft is the inverse CDF of
-    its returned q row at the uniform drawn for it (seeded: that row's race with the
-    position's key), the chain stops exactly where a q row's top-two margin falls below the
-    stop margin, and the draft's K/V are bitwise those of the same steps run one by one."""
+@pytest.mark.parametrize("filters", [{}, dict(top_k=40, min_p=0.1), dict(top_p=0.8)])
+def test_a_round_in_one_compiled_call_draws_each_draft_from_the_q_it_returns(filters):
+    """Three sequences' round in one compiled call through the proposer (an unseeded sampled,
+    a seeded sampled and a greedy one; catch-ups of two tokens and one, the shorter padded):
+    each sampled q row is the step's own logits through filtered_probs' rule (temperature;
+    top-k, top-p, min-p where set: the same tokens survive), within float rounding of
+    filtered_probs on the same logits; each draft is the inverse CDF of its returned q row at
+    the uniform drawn for it, or that row's race with the position's key, or the greedy
+    argmax; a chain stops exactly where a margin falls below the stop margin; and each
+    sequence's K/V are bitwise those of its steps run one by one, alone."""
     import numpy as np
 
     from tailserve import LLM, SamplingParams
@@ -830,49 +836,57 @@ def test_a_batch_1_sampled_round_in_one_compiled_call_draws_from_the_q_it_return
     llm = LLM(speculative_model="builtin", num_speculative_tokens=6, speculative_draft_stop_margin=0.05,
               kv_cache_memory_bytes=64 << 20)
     prop = llm.engine.core.worker.proposer
-    assert prop._compiled_chain
+    _, _, calls = _logged_rounds([llm])
     fused, rotary, margin = prop.model.fused_decode, prop.model.rotary, 0.05
-    params = SamplingParams(temperature=0.8, max_tokens=8, **filters)
-    st = SamplingTensors.from_params([params], fused.vocab_size, torch.device("cpu"), KERNELS)
-    seed = 1234 if seeded else None
-    filtered = 0  # tokens the filters zeroed
-    stops = 0
-    for text in ("def parse(path):\n    with open(path) as f:\n        return", "import os\nimport sys\n\n",
-                 "class Cache:\n    def __init__(self, size):\n        self."):
-        prompt = llm.tokenizer.encode(text)
-        n = len(prompt)
-        blocks = list(range(1, 2 + (n + 8) // 16))
-        prop.propose([ProposalInput("r", prompt, 0, n - 2, blocks, 0, params, seed)])  # the prompt's K/V
-        before = [c.clone() for c in prop.kv_caches]
-        prop.generator = torch.Generator().manual_seed(7)
-        uniforms = torch.rand((6,), generator=torch.Generator().manual_seed(7), dtype=torch.float64)
-        got = prop._compiled_round(ProposalInput("r", prompt, n - 2, n, blocks, 6, params, seed), prompt[-2:], n - 2,
-                                   6, 0)
-        assert got is not None
-        drafts, q = got
-        assert 1 <= len(drafts) <= 6 and q.shape == (len(drafts), fused.vocab_size)
-        after = [c.clone() for c in prop.kv_caches]
-        for c, b in zip(prop.kv_caches, before):
-            c.copy_(b)
-        seq = list(prompt)
+    params = [SamplingParams(temperature=0.8, max_tokens=8, **filters)] * 2 + [SamplingParams(temperature=0)]
+    seeds = [None, 1234, None]
+    texts = ["def parse(path):\n    with open(path) as f:\n        return", "import os\nimport sys\n\n",
+             "class Cache:\n    def __init__(self, size):\n        self."]
+    prompts = [llm.tokenizer.encode(t) for t in texts]
+    blocks = [list(range(1 + 8 * r, 9 + 8 * r)) for r in range(3)]  # disjoint: each row its own blocks
+    unseen = [2, 1, 2]
+    for r in range(3):  # the prompts' K/V, by the proposer's own catch-up (k = 0: no drafts)
+        n = len(prompts[r])
+        prop.propose([ProposalInput(f"r{r}", prompts[r], 0, n - unseen[r], blocks[r], 0, params[r], seeds[r])])
+    before = [c.clone() for c in prop.kv_caches]
+    prop.generator = torch.Generator().manual_seed(7)
+    uniforms = torch.rand((3, 6), generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    got = prop.propose([ProposalInput(f"r{r}", prompts[r], len(prompts[r]) - unseen[r], len(prompts[r]), blocks[r], 6,
+                                      params[r], seeds[r]) for r in range(3)])
+    assert len(calls) == 1  # the whole round in one call
+    after = [c.clone() for c in prop.kv_caches]
+    for c, b in zip(prop.kv_caches, before):
+        c.copy_(b)
+    stops, filtered = 0, 0
+    for r in range(3):
+        drafts, n = got.draft_ids[f"r{r}"], len(prompts[r])
+        assert 1 <= len(drafts) <= 6
+        q = got.draft_probs.get(f"r{r}")
+        assert (q is None) == (r == 2) and (q is None or q.shape == (len(drafts), fused.vocab_size))
+        st = SamplingTensors.from_params([params[r]], fused.vocab_size, torch.device("cpu"), KERNELS)
+        seq = list(prompts[r])
         for j, tok in enumerate(drafts):
-            feed = seq[-2:] if j == 0 else seq[-1:]
-            pos = len(seq) - len(feed)
-            rows = slice(pos, pos + len(feed))
+            feed = seq[n - unseen[r]:] if j == 0 else seq[-1:]
+            rows = slice(len(seq) - len(feed), len(seq))
             rope = (rotary.cos[rows, None].contiguous(), rotary.sin[rows, None].contiguous())
             _, logits = fused.run(np.asarray(feed, dtype=np.int64), rope, prop.kv_caches,
-                                  prop.attn_backend.build([len(feed)], [len(seq)], [blocks]), len(feed), head=True)
-            ref = filtered_probs(logits, st)[0]
-            assert torch.equal(q[j] > 0, ref > 0)
-            filtered += int((ref == 0).sum())
-            torch.testing.assert_close(q[j], ref, rtol=1e-5, atol=1e-8)
-            row = q[j : j + 1].contiguous()
-            if seeded:
-                assert tok == int(KERNELS.seeded_race(row, [seeded_key(seed, n + j)])[0])
+                                  prop.attn_backend.build([len(feed)], [len(seq)], [blocks[r]]), len(feed), head=True)
+            if q is None:
+                top, gap = KERNELS.top2_margin(logits)
+                assert tok == top[0]
+                unsure = gap[0] < margin
             else:
-                assert tok == int(KERNELS.inverse_cdf(row, uniforms[j : j + 1])[0])
-            top = q[j].topk(2).values
-            unsure = float(top[0] - top[1]) < margin
+                ref = filtered_probs(logits, st)[0]
+                assert torch.equal(q[j] > 0, ref > 0)
+                filtered += int((ref == 0).sum())
+                torch.testing.assert_close(q[j], ref, rtol=1e-5, atol=1e-8)
+                row = q[j : j + 1].contiguous()
+                if seeds[r] is not None:
+                    assert tok == int(KERNELS.seeded_race(row, [seeded_key(seeds[r], n + j)])[0])
+                else:
+                    assert tok == int(KERNELS.inverse_cdf(row, uniforms[r, j : j + 1])[0])
+                top2 = q[j].topk(2).values
+                unsure = float(top2[0] - top2[1]) < margin
             if j < len(drafts) - 1:
                 assert not unsure  # an unsure draft ends the chain
             elif len(drafts) < 6:
@@ -880,7 +894,7 @@ def test_a_batch_1_sampled_round_in_one_compiled_call_draws_from_the_q_it_return
                 stops += 1
             seq.append(tok)
         for a, b in zip(after, prop.kv_caches):
-            assert torch.equal(a, b)
+            assert torch.equal(a[:, blocks[r]], b[:, blocks[r]])
     assert stops  # the margin stopped a chain
     assert bool(filtered) == bool(filters)
 

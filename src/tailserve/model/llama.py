@@ -224,65 +224,86 @@ class FusedDecodeModel:
             raise IndexError(f"token id {int(token_ids[bad])} is outside the vocabulary ({self.vocab_size})")
         return hidden, out
 
-    # draft_round's modes (tailserve_draft_round)
+    # draft_rounds' modes (tailserve_draft_rounds)
     GREEDY, SAMPLED, SEEDED = 0, 1, 2
 
-    def draft_round(self, ids: list[int], first_pos: int, steps: int, rotary: RotaryEmbedding,
-                    kv_caches: list[torch.Tensor], block_ids: list[int], stop_margin: float, mode: int = 0,
-                    temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-                    uniforms: torch.Tensor | None = None,
-                    keys: list[int] | None = None) -> tuple[list[int], torch.Tensor | None] | None:
-        """One sequence's round of drafts in one compiled call (``tailserve_draft_round``):
-        feed ``ids`` at ``first_pos``.. (a catch-up of up to 16 tokens, or the last draft), draft
-        from the last row's logits, then feed each draft at the next position, up to ``steps``
-        drafts, stopping after one whose margin (top two) is below ``stop_margin`` > 0. Each
-        step is the ``run`` a chain step makes with the head (the same compiled calls, so the
-        same K/V and, greedy, the same drafts). ``mode``: GREEDY (argmax), SAMPLED (q = the
-        softmax of logits / ``temperature`` after ``top_k`` (0: off), ``top_p`` and ``min_p``, as
-        ``filtered_probs`` filters; the draft by inverse CDF at ``uniforms[n]``, float64) or
-        SEEDED (the exponential race with ``keys[n]``). Returns (drafts, their q rows (n, V)
-        float32; None when greedy); None where this model's head is not the kernels' or the
-        positions pass the rotary tables. For a model without a sliding window (the caller's)."""
+    def draft_rounds(self, ids: list[list[int]], first_pos: list[int], pads: list[int], steps: list[int],
+                     block_ids: list[list[int]], rotary: RotaryEmbedding, kv_caches: list[torch.Tensor],
+                     stop_margin: float, modes: list[int], temperatures: list[float], top_ks: list[int],
+                     top_ps: list[float], min_ps: list[float], uniforms: np.ndarray | None = None,
+                     keys: np.ndarray | None = None, scratch_slot: int = 0
+                     ) -> tuple[list[list[int]], list[torch.Tensor] | None] | None:
+        """A round of drafts for B sequences in one compiled call (``tailserve_draft_rounds``):
+        sequence b is fed ``ids[b]`` (the same count for all; its first ``pads[b]`` only repeat
+        cached tokens, their K/V written to ``scratch_slot``) from position ``first_pos[b]``, a
+        draft is taken from its last row's logits, then each draft is fed at the next position,
+        up to ``steps[b]`` drafts, fewer after one whose margin (top two) is below
+        ``stop_margin`` > 0. Each step is the ``run`` the Python chain step makes with the head,
+        row for row (so the same K/V and, greedy, the same drafts). ``modes[b]``: GREEDY
+        (argmax), SAMPLED (q = the softmax of logits / temperature after top-k (0: off), top-p
+        and min-p, as ``filtered_probs`` filters; the draft by inverse CDF at ``uniforms[b, n]``,
+        float64) or SEEDED (the exponential race with ``keys[b, n]``, uint64). Returns (each
+        sequence's drafts, each sequence's q rows for them, (n, V) float32, set for sampled
+        sequences; None when every one is greedy); None where this model's head is not the kernels', the
+        rows pass the fused layers' or the positions the rotary tables. For a model without a
+        sliding window (the caller's)."""
         cos, sin = rotary.cos, rotary.sin  # (positions, D) float32, contiguous
-        n0 = len(ids)
-        last = first_pos + n0 - 1 + steps - 1  # the last position fed
-        if self.head is None or steps <= 0 or not 0 < n0 <= FusedDecodeLayer.MAX_ROWS or last >= cos.shape[0]:
+        b, qn = len(ids), len(ids[0]) if ids else 0
+        kmax = max(steps, default=0)
+        lasts = [f + qn - 1 + k - 1 for f, k in zip(first_pos, steps)]  # each sequence's last position fed
+        if self.head is None or not b or not qn or kmax <= 0 or b * qn > FusedDecodeLayer.MAX_ROWS \
+                or max(lasts) >= cos.shape[0] or any(len(x) != qn for x in ids):
             return None
         fmt, w, scales = self.head
         bs = kv_caches[0].shape[2]
-        table = np.array([block_ids[: last // bs + 1]], dtype=np.int32)
-        seq_lens, slots = np.zeros(n0, dtype=np.int32), np.zeros(n0, dtype=np.int64)
-        # bt_stride 0: every row of the catch-up reads the sequence's one table row.
-        step = StepStruct(table.ctypes.data, 0, seq_lens.ctypes.data, slots.ctypes.data, n0, bs,
-                          0, first_pos + n0, torch.get_num_threads(), KV_FORMATS[kv_caches[0].dtype])
+        width = max(last // bs + 1 for last in lasts)
+        rows, d, e, v = b * qn, cos.shape[1], self.hidden_size, self.vocab_size
+        sampled = any(m != self.GREEDY for m in modes)
+        if any(m == self.SAMPLED for m in modes) and (uniforms is None or uniforms.shape != (b, kmax)):
+            raise ValueError(f"draft_rounds: sampled rows need ({b}, {kmax}) uniforms")
+        if any(m == self.SEEDED for m in modes) and (keys is None or keys.shape != (b, kmax)):
+            raise ValueError(f"draft_rounds: seeded rows need ({b}, {kmax}) keys")
+        # Three host buffers instead of a dozen arrays (each array and pointer costs ~1 us).
+        # int64: ids0 | first_pos | pads | steps | top_ks | counts | slots | out
+        i64 = np.empty(rows + 5 * b + rows + b * kmax, dtype=np.int64)
+        i64[:rows] = np.asarray(ids, dtype=np.int64).reshape(-1)
+        i64[rows : rows + 5 * b].reshape(5, b)[:] = (
+            first_pos, pads, steps, [k if 0 < k < v else v for k in top_ks], [0] * b)
+        # int32: modes | seq_lens | tables (b, width) | table_buf (rows, width)
+        i32 = np.zeros(b + rows + (b + rows) * width, dtype=np.int32)
+        i32[:b] = modes
+        tables = i32[b + rows : b + rows + b * width].reshape(b, width)
+        for r, (blocks, last) in enumerate(zip(block_ids, lasts)):
+            n = last // bs + 1
+            tables[r, :n] = blocks[:n]
+        # float32: temps | top_ps | min_ps | rope_buf (2, rows, d) | hidden (b, e) | logits (b, v)
+        f32 = np.empty(3 * b + 2 * rows * d + b * e + b * v, dtype=np.float32)
+        f32[: 3 * b].reshape(3, b)[:] = (temperatures, top_ps, min_ps)
+        p64, p32, pf = i64.ctypes.data, i32.ctypes.data, f32.ctypes.data
+        slots_at = p64 + 8 * (rows + 5 * b)
+        step = StepStruct(p32 + 4 * (b + rows + b * width), width, p32 + 4 * b, slots_at, rows, bs, 0, 0,
+                          torch.get_num_threads(), KV_FORMATS[kv_caches[0].dtype])
         k_ptrs, v_ptrs = self._cache_pointers(kv_caches)
-        hidden = torch.empty((1, self.hidden_size), dtype=torch.float32)
-        logits = torch.empty((1, self.vocab_size), dtype=torch.float32)
-        q = None if mode == self.GREEDY else torch.empty((steps, self.vocab_size), dtype=torch.float32)
-        u = None
-        if mode == self.SAMPLED:
-            u = uniforms.to(torch.float64).contiguous()
-            if u.numel() < steps:
-                raise ValueError(f"draft_round: {steps} steps need as many uniforms, got {u.numel()}")
-        k = None
-        if mode == self.SEEDED:
-            if keys is None or len(keys) < steps:
-                raise ValueError(f"draft_round: {steps} steps need as many keys")
-            k = np.asarray(keys, dtype=np.uint64)
-        ids_a = np.asarray(ids, dtype=np.int64)
-        out = np.empty(steps, dtype=np.int64)
-        n = self.kernels.draft_round(self.structs, self.num_layers, step, ids_a.ctypes.data, n0, first_pos, steps,
-                                     cos.data_ptr(), sin.data_ptr(), cos.stride(0), k_ptrs, v_ptrs,
-                                     self.embed.data_ptr(), self.norm.weight.data_ptr(), self.norm.eps, fmt,
-                                     w.data_ptr(), 0 if scales is None else scales.data_ptr(), self.vocab_size,
-                                     mode, temperature, top_k if 0 < top_k < self.vocab_size else self.vocab_size,
-                                     top_p, min_p, 0 if u is None else u.data_ptr(),
-                                     0 if k is None else k.ctypes.data, stop_margin, hidden.data_ptr(),
-                                     logits.data_ptr(), 0 if q is None else q.data_ptr(), out.ctypes.data)
-        if n < 0:
-            bad = [t for t in (*ids, *out[: -1 - n].tolist()) if not 0 <= t < self.vocab_size]
-            raise IndexError(f"token id {bad[0] if bad else ids[0]} is outside the vocabulary ({self.vocab_size})")
-        return out[:n].tolist(), None if q is None else q[:n]
+        q = np.empty((b, kmax, v), dtype=np.float32) if sampled else None
+        u = 0 if uniforms is None else np.ascontiguousarray(uniforms, dtype=np.float64)
+        kk = 0 if keys is None else np.ascontiguousarray(keys, dtype=np.uint64)
+        rope_at = pf + 4 * 3 * b
+        hidden_at = rope_at + 4 * 2 * rows * d
+        bad = self.kernels.draft_rounds(
+            self.structs, self.num_layers, step, b, qn, p64, p64 + 8 * rows, p64 + 8 * (rows + b), scratch_slot,
+            p64 + 8 * (rows + 2 * b), kmax, p32 + 4 * (b + rows), width, p32 + 4 * (b + rows + b * width),
+            cos.data_ptr(), sin.data_ptr(), d, rope_at, k_ptrs, v_ptrs, self.embed.data_ptr(),
+            self.norm.weight.data_ptr(), self.norm.eps, fmt, w.data_ptr(), 0 if scales is None else scales.data_ptr(),
+            v, p32, pf, p64 + 8 * (rows + 3 * b), pf + 4 * b, pf + 8 * b, 0 if uniforms is None else u.ctypes.data,
+            0 if keys is None else kk.ctypes.data, stop_margin, hidden_at, hidden_at + 4 * b * e,
+            0 if q is None else q.ctypes.data, slots_at + 8 * rows, p64 + 8 * (rows + 4 * b))
+        out = i64[2 * rows + 5 * b :].reshape(b, kmax)
+        counts = i64[rows + 4 * b : rows + 5 * b]
+        if bad != -1:  # a fed token outside the vocabulary (as F.embedding refuses it)
+            token = int(i64[bad]) if bad >= 0 else int(out[-2 - bad, counts[-2 - bad] - 1])
+            raise IndexError(f"token id {token} is outside the vocabulary ({v})")
+        got = [out[r, : counts[r]].tolist() for r in range(b)]
+        return got, None if q is None else [torch.from_numpy(q[r, : len(d)]) for r, d in enumerate(got)]
 
 
 class RMSNorm(nn.Module):

@@ -260,7 +260,7 @@ class DraftModelProposer:
         if batched_single_rows is None:
             batched_single_rows = attn_backend is not None and not isinstance(self.single_step, NumpyStepAdapter)
         self.batched_single_rows = batched_single_rows
-        # A batch-1 round of drafts in one compiled call (FusedDecodeModel.draft_round) where its
+        # A round of drafts in one compiled call (FusedDecodeModel.draft_rounds) where its
         # steps would go through the fused model anyway: the CPU decode backend, batched single
         # rows, no sliding window.
         fused = model.fused_decode
@@ -319,18 +319,22 @@ class DraftModelProposer:
         catch_up = [i for i in inputs if i.num_valid > i.num_seen]
         if not catch_up:
             return Proposal(drafts, {}, seen)
-        if len(catch_up) == 1 and self._compiled_chain:
-            # One sequence (batch 1) after the usual catch-up: the whole round in one compiled
-            # call, the same forwards as the steps below (see _compiled_round).
-            i = catch_up[0]
-            q = i.num_valid - i.num_seen
-            if i.k > 0 and i.num_valid == len(i.all_token_ids) and q <= _CHAIN_MAX_CATCH_UP:
-                got = self._compiled_round(i, i.all_token_ids[i.num_seen:], i.num_seen, i.k, 0)
+        if self._compiled_chain:
+            # The usual catch-up (below: "steady"), every request drafting: the whole round in
+            # one compiled call, the same forwards as the steps below (see _compiled_rounds).
+            q = max(i.num_valid - i.num_seen for i in catch_up)
+            if q <= _CHAIN_MAX_CATCH_UP and all(i.k > 0 and i.num_valid == len(i.all_token_ids) >= q
+                                                for i in catch_up) \
+                    and (self.scratch_slot is not None or all(i.num_valid - i.num_seen == q for i in catch_up)):
+                got = self._compiled_rounds(catch_up, [i.all_token_ids[-q:] for i in catch_up],
+                                            [len(i.all_token_ids) - q for i in catch_up],
+                                            [q - (i.num_valid - i.num_seen) for i in catch_up],
+                                            [i.k for i in catch_up], [0] * len(catch_up))
                 if got is not None:
-                    seen[i.request_id] = i.num_valid
-                    drafts[i.request_id], q_rows = got
-                    return Proposal(drafts, {} if q_rows is None else {i.request_id: q_rows}, seen,
-                                    num_forwards=len(got[0]))
+                    for i, d in zip(catch_up, got[0]):
+                        seen[i.request_id] = i.num_valid
+                        drafts[i.request_id] = d
+                    return Proposal(drafts, got[1], seen, num_forwards=max(len(d) for d in got[0]))
         # 1. Catch-up forward: every request's unseen tokens; sample the first draft of the
         #    requests whose sequence ends here (num_valid == all tokens) and that want k >= 1.
         chain = None
@@ -369,18 +373,17 @@ class DraftModelProposer:
             active = [i for i in active if i.k > step and i.request_id not in stopped]
             if not active:
                 break
-            if len(active) == 1 and self._compiled_chain:
-                # One sequence (batch 1): the rest of its chain in one compiled call, the same
-                # forwards as the steps below.
-                i = active[0]
-                rid = i.request_id
-                got = self._compiled_round(i, drafts[rid][-1:], len(i.all_token_ids) + step - 1, i.k - step,
-                                           len(drafts[rid]))
+            if self._compiled_chain:
+                # The rest of the chain in one compiled call, the same forwards as the steps below.
+                got = self._compiled_rounds(active, [drafts[i.request_id][-1:] for i in active],
+                                            [len(i.all_token_ids) + step - 1 for i in active], [0] * len(active),
+                                            [i.k - step for i in active], [len(drafts[i.request_id]) for i in active])
                 if got is not None:
-                    drafts[rid].extend(got[0])
-                    if got[1] is not None:
-                        probs[rid].extend(got[1].unbind(0))
-                    step += len(got[0])
+                    for i, d in zip(active, got[0]):
+                        drafts[i.request_id].extend(d)
+                        if got[1] is not None and i.request_id in got[1]:
+                            probs[i.request_id].extend(got[1][i.request_id].unbind(0))
+                    step += max(len(d) for d in got[0])
                     break
             if chain is None:
                 chain = self._chain_slots(active)
@@ -392,29 +395,45 @@ class DraftModelProposer:
         out_probs = {rid: torch.stack(ps) for rid, ps in probs.items() if ps}
         return Proposal(drafts, out_probs, seen, num_forwards=step if steady else None)
 
-    def _compiled_round(self, i: ProposalInput, ids: list[int], first_pos: int, steps: int,
-                        drafted: int) -> tuple[list[int], torch.Tensor | None] | None:
-        """Up to ``steps`` drafts for one sequence in one compiled call
-        (``FusedDecodeModel.draft_round``): feed ``ids`` from ``first_pos``, then each draft;
-        ``drafted``: drafts this round made before these (a seeded race's position). Greedy
-        drafts are the steps' own (the argmax of the same logits). A sampled draft's q is
-        ``filtered_probs``' rule (temperature, top-k, top-p, min-p) computed in the call, not
-        PyTorch's bits: the draft is drawn from that q and verified against it, and a seeded
-        request's output is its race under the target's p whatever was drafted. None (the
-        steps below instead) for positions past the tables."""
-        params, fused = i.params, self.model.fused_decode
-        uniforms, keys = None, None
-        if params.greedy:
-            mode = fused.GREEDY
-        elif i.seed is not None:
-            mode = fused.SEEDED
-            keys = [seeded_key(i.seed, len(i.all_token_ids) + drafted + j) for j in range(steps)]
-        else:
-            mode = fused.SAMPLED
-            uniforms = torch.rand((steps,), generator=self.generator, dtype=torch.float64)
-        return fused.draft_round(ids, first_pos, steps, self.model.rotary, self.kv_caches, i.block_ids,
-                                 self.stop_margin, mode, params.temperature, params.effective_top_k or 0,
-                                 params.top_p, params.min_p, uniforms, keys)
+    def _compiled_rounds(self, rows: list[ProposalInput], ids: list[list[int]], first_pos: list[int],
+                         pads: list[int], steps: list[int], drafted: list[int]
+                         ) -> tuple[list[list[int]], dict[str, torch.Tensor]] | None:
+        """Up to ``steps[r]`` drafts for each of ``rows`` in one compiled call
+        (``FusedDecodeModel.draft_rounds``): row r is fed ``ids[r]`` from ``first_pos[r]`` (its
+        first ``pads[r]`` repeat cached tokens: their K/V go to the scratch slot), then each of
+        its drafts; ``drafted[r]``: drafts it made this round before these (a seeded race's
+        position). Greedy drafts are the steps' own (the argmax of the same logits). A sampled
+        draft's q is ``filtered_probs``' rule (temperature, top-k, top-p, min-p) computed in the
+        call, not PyTorch's bits: the draft is drawn from that q and verified against it, and a
+        seeded request's output is its race under the target's p whatever was drafted. Returns
+        (drafts per row, q rows per sampled request); None (the steps below instead) where the
+        rows or positions do not fit the call."""
+        fused = self.model.fused_decode
+        kmax = max(steps)
+        modes, uniforms, keys = [], None, None
+        for r, (i, n) in enumerate(zip(rows, drafted)):
+            if i.params.greedy:
+                modes.append(fused.GREEDY)
+            elif i.seed is not None:
+                modes.append(fused.SEEDED)
+                if keys is None:
+                    keys = np.zeros((len(rows), kmax), dtype=np.uint64)
+                keys[r, : steps[r]] = [seeded_key(i.seed, len(i.all_token_ids) + n + j) for j in range(steps[r])]
+            else:
+                modes.append(fused.SAMPLED)
+                if uniforms is None:
+                    uniforms = torch.rand((len(rows), kmax), generator=self.generator, dtype=torch.float64).numpy()
+        got = fused.draft_rounds(ids, first_pos, pads, steps, [i.block_ids for i in rows], self.model.rotary,
+                                 self.kv_caches, self.stop_margin, modes, [i.params.temperature for i in rows],
+                                 [i.params.effective_top_k or 0 for i in rows], [i.params.top_p for i in rows],
+                                 [i.params.min_p for i in rows], uniforms, keys,
+                                 self.scratch_slot if self.scratch_slot is not None else 0)
+        if got is None:
+            return None
+        out, q = got
+        if q is None:
+            return out, {}
+        return out, {i.request_id: qr for i, m, d, qr in zip(rows, modes, out, q) if m != fused.GREEDY and d}
 
     def _chain_slots(self, active: list[ProposalInput]) -> _Chain:
         """Per-round tables for the chain steps: step s >= 1 feeds draft s at position

@@ -161,16 +161,16 @@ class CpuKernels:
             + [ctypes.c_long] * 3 + [ctypes.c_int] \
             + [ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_void_p] * 2
         self.decode_model.restype = ctypes.c_long
-        self.draft_round = lib.tailserve_draft_round
-        self.draft_round.argtypes = [ctypes.POINTER(LayerStruct), ctypes.c_long, ctypes.POINTER(StepStruct),
-                                     ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
-                                     ctypes.c_void_p, ctypes.c_long, ctypes.POINTER(ctypes.c_void_p),
-                                     ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float,
-                                     ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_int,
-                                     ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_float,
-                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_double,
-                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-        self.draft_round.restype = ctypes.c_long
+        self.draft_rounds = lib.tailserve_draft_rounds
+        self.draft_rounds.argtypes = [ctypes.POINTER(LayerStruct), ctypes.c_long, ctypes.POINTER(StepStruct),
+                                      ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
+                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
+                                      ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                                      ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_float, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
+        self.draft_rounds.argtypes += [ctypes.c_void_p] * 7 + [ctypes.c_double] + [ctypes.c_void_p] * 5
+        self.draft_rounds.restype = ctypes.c_long
         self._cutoffs = lib.tailserve_sampling_cutoffs
         self._cutoffs.argtypes = [ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int]
         self._cutoffs.restype = None

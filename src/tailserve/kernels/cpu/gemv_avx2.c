@@ -1432,65 +1432,122 @@ static inline long inverse_cdf_row(const float* p, double u, long V);
 void tailserve_seeded_race(const float* probs, long stride, const uint64_t* keys, long N, long V,
                            int64_t* out, int threads);
 
-/* One sequence's round of drafts in one call (speculative/proposer.py, DraftModelProposer
- * .propose at batch 1): step 0 feeds the n0 tokens ids0 at positions first_pos.. (the
- * catch-up on what the last round accepted, or the last draft alone) and drafts from the
- * last row's logits; each later step feeds the previous draft at the next position. Each
- * step is the same tailserve_decode_model call as the Python step's (rows of one sequence:
- * its block table, S's row 0, read by every row with bt_stride 0; slots and lengths by
- * position, the rotary rows from the tables at rope_stride floats a position), so the K/V
- * written are bitwise its own. mode 0 (greedy): the argmax, margin p(top) - p(second) of the
- * softmax (tailserve_top2_margin); 1 (sampled) and 2 (seeded): q = draft_q (temperature, top-k,
- * top-p, min-p), written to q_out's row, the draft by inverse CDF at uniforms[n] (1) or the exponential race with
- * keys[n] (2), margin q(top) - q(second). Stops after `steps` drafts or after one whose margin
- * falls below stop_margin > 0. Returns the number of drafts written to out (-1 - n: a token
- * outside the vocabulary). Python paid ~45 us a step around a ~100 us compiled forward, and
- * ~50 us more to sample one (2 Xeon cores). */
-long tailserve_draft_round(const tailserve_layer* layers, long n_layers, tailserve_step* S, const int64_t* ids0,
-                           long n0, long first_pos, long steps, const float* cos_table, const float* sin_table,
-                           long rope_stride, void* const* k_caches, void* const* v_caches, const float* embed,
-                           const float* norm_w, float norm_eps, int head_fmt, const void* head_w,
-                           const float* head_s, long V, int mode, float temperature, int64_t top_k, float top_p,
-                           float min_p, const double* uniforms, const uint64_t* keys, double stop_margin,
-                           float* hidden, float* logits, float* q_out, int64_t* out) {
+/* One draft per row of logits: mode 0 (greedy) the argmax, margin p(top) - p(second) of the
+ * softmax (tailserve_top2_margin); 1 (sampled) and 2 (seeded): q = draft_q written to q, the draft
+ * by inverse CDF at u (1) or the exponential race with key (2), margin q(top) - q(second). */
+static int64_t draft_pick(const float* logits, long V, int mode, float temperature, int64_t top_k, float top_p,
+                          float min_p, double u, const uint64_t* key, float* q, float* margin) {
+    int64_t token;
+    if (mode == 0) {
+        tailserve_top2_margin(logits, 1, V, V, &token, margin);
+        return token;
+    }
+    draft_q(logits, V, temperature, top_k, top_p, min_p, q);
+    if (mode == 1) token = inverse_cdf_row(q, u, V);
+    else tailserve_seeded_race(q, V, key, 1, V, &token, 1);
+    long i1 = 0;
+    for (long x = 1; x < V; x++) if (q[x] > q[i1]) i1 = x;
+    float m2 = -INFINITY;
+    for (long x = 0; x < V; x++) if (x != i1 && q[x] > m2) m2 = q[x];
+    *margin = q[i1] - m2;  /* as q.topk(2)'s two values subtract */
+    return token;
+}
+
+/* A round of drafts for B sequences in one call (speculative/proposer.py, DraftModelProposer
+ * .propose on the usual catch-up): step 0 feeds each sequence's last qn tokens (ids0, row-major;
+ * row b's first at position first_pos[b], its first pad[b] only repeating cached tokens, so their
+ * K/V go to scratch_slot) and drafts from each sequence's last row; each later step feeds the
+ * previous draft of every sequence still drafting at its next position. Each step is the same
+ * tailserve_decode_model call as the Python step's, row for row (the sequence's block table, its
+ * rows' lengths, slots and rotary rows by position, copied into table_buf and rope_buf), so the
+ * K/V written are bitwise its own. Per sequence: modes[b] as draft_pick, with temps, top_ks,
+ * top_ps, min_ps, the uniforms or keys of its drafts at uniforms[b * kmax + n] / keys[...];
+ * steps[b] drafts at most, fewer after one whose margin falls below stop_margin > 0. Writes
+ * out[b * kmax + n], q_out[(b * kmax + n) * V] (sampled rows) and counts[b]. Returns -1, or the
+ * index of a fed token outside the vocabulary (nothing more computed: the caller raises).
+ * Python paid ~45 us a chain step around a ~100 us compiled forward and ~50 us to sample
+ * (2 Xeon cores). */
+long tailserve_draft_rounds(const tailserve_layer* layers, long n_layers, tailserve_step* S, long B, long qn,
+                            const int64_t* ids0, const int64_t* first_pos, const int64_t* pad, int64_t scratch_slot,
+                            const int64_t* steps, long kmax, const int32_t* tables, long W, int32_t* table_buf,
+                            const float* cos_table, const float* sin_table, long D, float* rope_buf,
+                            void* const* k_caches, void* const* v_caches, const float* embed, const float* norm_w,
+                            float norm_eps, int head_fmt, const void* head_w, const float* head_s, long V,
+                            const int32_t* modes, const float* temps, const int64_t* top_ks, const float* top_ps,
+                            const float* min_ps, const double* uniforms, const uint64_t* keys, double stop_margin,
+                            float* hidden, float* logits, float* q_out, int64_t* out, int64_t* counts) {
     int32_t* seq_lens = (int32_t*)S->seq_lens;
     int64_t* slots = (int64_t*)S->slots;
     const long bs = S->block_size;
-    long n = 0;
-    int64_t token = 0;
-    for (long s = 0; s < steps; s++) {
-        const int64_t* ids = s == 0 ? ids0 : &token;
-        const long m = s == 0 ? n0 : 1;
-        const long pos = s == 0 ? first_pos : first_pos + n0 - 1 + s;  /* the step's first row */
-        for (long j = 0; j < m; j++) {
-            const long p = pos + j;
-            seq_lens[j] = (int32_t)(p + 1);
-            slots[j] = (int64_t)S->block_tables[p / bs] * bs + p % bs;
+    const long R = B * qn;  /* rows of the widest step (step 0) */
+    float* cos_rows = rope_buf;
+    float* sin_rows = rope_buf + R * D;
+    int64_t* ids = (int64_t*)malloc(sizeof(int64_t) * R);
+    /* rowseq[m]: the sequence row m of a chain step drafts for; rowseq[B + b]: -1 once b stopped */
+    long* rowseq = (long*)malloc(sizeof(long) * 2 * B);
+    long active = 0;
+    for (long b = 0; b < B; b++) counts[b] = 0;
+    for (long s = 0; s < kmax; s++) {
+        long m = 0, max_ctx = 0;
+        if (s == 0) {
+            for (long b = 0; b < B; b++)
+                for (long j = 0; j < qn; j++, m++) {
+                    const long p = first_pos[b] + j;
+                    const int32_t* t = tables + b * W;
+                    ids[m] = ids0[m];
+                    seq_lens[m] = (int32_t)(p + 1);
+                    slots[m] = j < pad[b] ? scratch_slot : (int64_t)t[p / bs] * bs + p % bs;
+                    memcpy(table_buf + m * W, t, sizeof(int32_t) * W);
+                    memcpy(cos_rows + m * D, cos_table + p * D, sizeof(float) * D);
+                    memcpy(sin_rows + m * D, sin_table + p * D, sizeof(float) * D);
+                    if (p + 1 > max_ctx) max_ctx = p + 1;
+                }
+        } else {
+            for (long b = 0; b < B; b++) {
+                if (counts[b] != s || steps[b] <= s || rowseq[B + b] < 0) continue;  /* stopped or done */
+                const long p = first_pos[b] + qn - 1 + s;
+                const int32_t* t = tables + b * W;
+                ids[m] = out[b * kmax + s - 1];
+                seq_lens[m] = (int32_t)(p + 1);
+                slots[m] = (int64_t)t[p / bs] * bs + p % bs;
+                memcpy(table_buf + m * W, t, sizeof(int32_t) * W);
+                memcpy(cos_rows + m * D, cos_table + p * D, sizeof(float) * D);
+                memcpy(sin_rows + m * D, sin_table + p * D, sizeof(float) * D);
+                if (p + 1 > max_ctx) max_ctx = p + 1;
+                rowseq[m] = b;
+                m++;
+            }
+            if (m == 0) break;
         }
         S->M = m;
-        S->max_ctx = pos + m;  /* as the step's own metadata has it (it sizes the scores' rows) */
-        if (tailserve_decode_model(layers, n_layers, S, ids, embed, cos_table + pos * rope_stride,
-                                   sin_table + pos * rope_stride, k_caches, v_caches, norm_w, norm_eps, m - 1, m, 1,
-                                   head_fmt, head_w, head_s, V, hidden, logits) >= 0)
-            return -1 - n;  /* a token outside the vocabulary: the caller raises */
-        float margin;
-        if (mode == 0) {
-            tailserve_top2_margin(logits, 1, V, V, &token, &margin);
-        } else {
-            float* q = q_out + n * V;
-            draft_q(logits, V, temperature, top_k, top_p, min_p, q);
-            if (mode == 1) token = inverse_cdf_row(q, uniforms[n], V);
-            else tailserve_seeded_race(q, V, keys + n, 1, V, &token, 1);
-            long i1 = 0;
-            for (long x = 1; x < V; x++) if (q[x] > q[i1]) i1 = x;
-            float m2 = -INFINITY;
-            for (long x = 0; x < V; x++) if (x != i1 && q[x] > m2) m2 = q[x];
-            margin = q[i1] - m2;  /* as q.topk(2)'s two values subtract */
+        S->max_ctx = max_ctx;  /* as the step's own metadata has it (it sizes the scores' rows) */
+        const long n_sel = s == 0 ? B : m;
+        const long bad = tailserve_decode_model(layers, n_layers, S, ids, embed, cos_rows, sin_rows, k_caches, v_caches,
+                                                norm_w, norm_eps, s == 0 ? qn - 1 : 0, s == 0 ? qn : 1, n_sel, head_fmt,
+                                                head_w, head_s, V, hidden, logits);
+        if (bad >= 0) {
+            const long ret = s == 0 ? bad : -2 - rowseq[bad];  /* step 0: a row of ids0; later: -2 - sequence */
+            free(ids);
+            free(rowseq);
+            return ret;
         }
-        out[n++] = token;
-        if (stop_margin > 0.0 && V >= 2 && (double)margin < stop_margin) break;  /* as Python compares */
+        active = 0;
+        for (long r = 0; r < n_sel; r++) {
+            const long b = s == 0 ? r : rowseq[r];
+            const long n = b * kmax + counts[b];
+            float margin;
+            out[n] = draft_pick(logits + r * V, V, modes[b], temps[b], top_ks[b], top_ps[b], min_ps[b],
+                                uniforms ? uniforms[n] : 0.0, keys ? keys + n : NULL, q_out + n * V, &margin);
+            counts[b]++;
+            if (stop_margin > 0.0 && V >= 2 && (double)margin < stop_margin) rowseq[B + b] = -1;  /* as Python compares */
+            else if (s == 0) rowseq[B + b] = 0;
+            active += rowseq[B + b] >= 0 && steps[b] > counts[b];
+        }
+        if (active == 0) break;
     }
-    return n;
+    free(ids);
+    free(rowseq);
+    return -1;
 }
 
 /* Grammar masks (structured outputs): logits[rows[r], t] = -inf where bit t % 32 of
