@@ -381,7 +381,7 @@ class DraftModelProposer:
                 if got is not None:
                     for i, d in zip(active, got[0]):
                         drafts[i.request_id].extend(d)
-                        if got[1] is not None and i.request_id in got[1]:
+                        if i.request_id in got[1]:
                             probs[i.request_id].extend(got[1][i.request_id].unbind(0))
                     step += max(len(d) for d in got[0])
                     break

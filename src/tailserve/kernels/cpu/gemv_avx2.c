@@ -1463,8 +1463,9 @@ static int64_t draft_pick(const float* logits, long V, int mode, float temperatu
  * K/V written are bitwise its own. Per sequence: modes[b] as draft_pick, with temps, top_ks,
  * top_ps, min_ps, the uniforms or keys of its drafts at uniforms[b * kmax + n] / keys[...];
  * steps[b] drafts at most, fewer after one whose margin falls below stop_margin > 0. Writes
- * out[b * kmax + n], q_out[(b * kmax + n) * V] (sampled rows) and counts[b]. Returns -1, or the
- * index of a fed token outside the vocabulary (nothing more computed: the caller raises).
+ * out[b * kmax + n], q_out[(b * kmax + n) * V] (sampled rows) and counts[b]. Returns -1, or
+ * where a fed token lies outside the vocabulary (nothing more computed: the caller raises): its
+ * row in ids0 at step 0, -2 - its sequence later.
  * Python paid ~45 us a chain step around a ~100 us compiled forward and ~50 us to sample
  * (2 Xeon cores). */
 long tailserve_draft_rounds(const tailserve_layer* layers, long n_layers, tailserve_step* S, long B, long qn,
