@@ -319,22 +319,6 @@ class DraftModelProposer:
         catch_up = [i for i in inputs if i.num_valid > i.num_seen]
         if not catch_up:
             return Proposal(drafts, {}, seen)
-        if self._compiled_chain:
-            # The usual catch-up (below: "steady"), every request drafting: the whole round in
-            # one compiled call, the same forwards as the steps below (see _compiled_rounds).
-            q = max(i.num_valid - i.num_seen for i in catch_up)
-            if q <= _CHAIN_MAX_CATCH_UP and all(i.k > 0 and i.num_valid == len(i.all_token_ids) >= q
-                                                for i in catch_up) \
-                    and (self.scratch_slot is not None or all(i.num_valid - i.num_seen == q for i in catch_up)):
-                got = self._compiled_rounds(catch_up, [i.all_token_ids[-q:] for i in catch_up],
-                                            [len(i.all_token_ids) - q for i in catch_up],
-                                            [q - (i.num_valid - i.num_seen) for i in catch_up],
-                                            [i.k for i in catch_up], [0] * len(catch_up))
-                if got is not None:
-                    for i, d in zip(catch_up, got[0]):
-                        seen[i.request_id] = i.num_valid
-                        drafts[i.request_id] = d
-                    return Proposal(drafts, got[1], seen, num_forwards=max(len(d) for d in got[0]))
         # 1. Catch-up forward: every request's unseen tokens; sample the first draft of the
         #    requests whose sequence ends here (num_valid == all tokens) and that want k >= 1.
         chain = None
@@ -346,6 +330,18 @@ class DraftModelProposer:
             # draft takes the general builder): ragged rounds go the general way there.
             steady = all(i.num_valid - i.num_seen == q for i in catch_up)
         if steady:
+            pad = [q - (i.num_valid - i.num_seen) for i in catch_up]
+            if self._compiled_chain:
+                # The whole round in one compiled call, the same forwards as the steps below
+                # (see _compiled_rounds).
+                got = self._compiled_rounds(catch_up, [i.all_token_ids[-q:] for i in catch_up],
+                                            [len(i.all_token_ids) - q for i in catch_up], pad,
+                                            [i.k for i in catch_up], [0] * len(catch_up))
+                if got is not None:
+                    for i, d in zip(catch_up, got[0]):
+                        seen[i.request_id] = i.num_valid
+                        drafts[i.request_id] = d
+                    return Proposal(drafts, got[1], seen, num_forwards=max(len(d) for d in got[0]))
             # The usual catch-ups: one token after a rejection, two (the last draft and the
             # bonus) after a fully accepted round. Rows that need fewer than the longest are
             # fed their last q tokens all the same (the extra ones were seen already): one
@@ -353,7 +349,6 @@ class DraftModelProposer:
             # K/V to the scratch slot, so the cache keeps the values first computed for them
             # and a row's drafts do not depend on what shares its round.
             chain = self._chain_slots(catch_up)
-            pad = [q - (i.num_valid - i.num_seen) for i in catch_up]
             logits = self._chain_forward(catch_up, chain, 0, [t for i in catch_up for t in i.all_token_ids[-q:]], q,
                                          pad=pad if any(pad) else None)
         else:

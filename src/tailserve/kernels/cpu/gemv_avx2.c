@@ -1373,9 +1373,6 @@ long tailserve_decode_model(const tailserve_layer* layers, long n_layers, const 
 
 void tailserve_top2_margin(const float* logits, long N, long V, long stride, int64_t* top, float* margin);
 
-void tailserve_sampling_cutoffs(const float* logits, long N, long V, long stride, const int64_t* top_k,
-                                const float* top_p, float* out, int threads);
-
 /* q = the draft's sampling distribution over V (sample/sampler.py filtered_probs): logits /
  * temperature (the division in float32, PyTorch's bits), the tokens under the top-k / top-p
  * cut-off (tailserve_sampling_cutoffs, the kernel filtered_probs itself calls) at -inf, the
