@@ -1019,3 +1019,31 @@ def test_rechecks_of_a_bucket_that_stays_hard_back_off_and_one_no_text_could_pay
     ctl = _profiled(_linear_rows_profile(4, 1.0, 0.05, 3), ruled_out_recheck_steps=50)
     ks, _ = _run(ctl, 4, lambda k: (4 * (1 + 0.9 * k), 1.1e-3 * (1 + k)), 2000)
     assert ctl.bucket(4) in ctl.ruled_out and ctl.num_rechecks == 0 and not any(ks)
+
+
+def test_a_bucket_speculating_is_weighed_by_the_bound_at_the_margin_that_keeps_it_on():
+    """k = 1 pays 1.43x, then its step grows until it pays 1.06x: above the 5% that keeps a
+    bucket on, under the 7% that switches one on. The bound, which reads the same step at the
+    same acceptance, keeps it on too (not ruled out at the switch-on margin); a cold bucket
+    at 1.06x is ruled out; at 1.03x the speculating one switches off."""
+    profile = _linear_rows_profile(1, 0.3, 0.05, 1)  # k = 1 adds 0.35 ms to a 1 ms forward: explored
+
+    def controller() -> AdaptiveSpeculation:
+        ctl = AdaptiveSpeculation(k_max=1, explore_every=24, cost_profile=profile)
+        _feed_costs(ctl, (1e-3, 0.0), (1e-4, 0.0))
+        return ctl
+
+    def machine(k1_s):  # no round is verified: the bound assumes its prior, 0.9
+        return lambda k: (1.9, k1_s) if k else (1, 1.2e-3)
+
+    bkt = AdaptiveSpeculation.bucket(1)
+    ctl = controller()
+    ks, _ = _run(ctl, 1, machine(1.6e-3), 200)
+    assert ks[-100:].count(1) > 80
+    ks, _ = _run(ctl, 1, machine(1.9 * 1.2e-3 / 1.06), 600)
+    assert ks[-200:].count(1) > 140 and bkt not in ctl.ruled_out  # on, but for its off probes
+    ks, _ = _run(ctl, 1, machine(1.9 * 1.2e-3 / 1.03), 600)
+    assert ks[-200:].count(1) < 20
+    ctl = controller()
+    ks, _ = _run(ctl, 1, machine(1.9 * 1.2e-3 / 1.06), 400)
+    assert ks[-200:].count(1) < 20 and bkt in ctl.ruled_out
