@@ -93,14 +93,46 @@ def test_a_fixed_k_is_kept():
     assert [ctl.choose_k(b) for b in (1, 64)] == [3, 3]
 
 
+def test_the_rounds_of_one_step_weigh_alike():
+    """Forgetting runs per step, not per round: at batch 4 a step's four rounds are one
+    moment of the text, so their order does not matter, and a change in acceptance takes as
+    many steps to show as at batch 1 (per round, batch 4 forgot 4x faster in time: its
+    acceptance followed the last ~12 steps' text, and batch 4 greedy on the built-in pair
+    was ruled out where k = 2 paid 1.09x)."""
+    figures = []
+    for order in ((0, 3, 3, 3), (3, 3, 3, 0)):
+        ctl = AdaptiveSpeculation(k_max=3)
+        for _ in range(20):
+            ctl._steps += 1
+            for accepted in order:
+                ctl.observe_round(accepted, 3, cap=3)
+        figures.append(ctl.round_figures(3))
+    assert figures[0] == pytest.approx(figures[1], rel=1e-12)
+    by_step = []
+    for per_step in (1, 4):
+        ctl = AdaptiveSpeculation(k_max=3)
+        for _ in range(400):
+            ctl._steps += 1
+            for _ in range(per_step):
+                ctl.observe_round(0, 3, cap=3)
+        for _ in range(30):  # then 30 steps of drafts always right
+            ctl._steps += 1
+            for _ in range(per_step):
+                ctl.observe_round(3, 3, cap=3)
+        by_step.append(ctl.round_figures(3)[0])
+    assert by_step[1] == pytest.approx(by_step[0], abs=0.05) and 1.5 < by_step[0] < 3.9
+
+
 def test_forgetting_survives_a_long_run():
     """Old rounds fade (a change in acceptance shows within ~100 rounds) and the internal
     weights are rescaled before they overflow (tens of thousands of rounds)."""
     ctl = AdaptiveSpeculation(k_max=3)
     for _ in range(30_000):
+        ctl._steps += 1  # one round a step (batch 1): rounds are forgotten per step
         ctl.observe_round(0, 3, cap=3)  # the draft is always wrong
     assert ctl.round_figures(3) == pytest.approx((1.0, 3.0), abs=1e-6)
     for _ in range(300):
+        ctl._steps += 1
         ctl.observe_round(3, 3, cap=3)  # ... then always right
     tokens, drafts = ctl.round_figures(3)
     assert tokens == pytest.approx(4.0, abs=0.02) and drafts == pytest.approx(3.0)
@@ -716,10 +748,12 @@ def test_a_ruled_out_bucket_returns_when_acceptance_measured_elsewhere_is_higher
     machine = lambda k: (4 * (1 + k), 1.1e-3 + 0.95e-3 * k)  # noqa: E731 (every draft accepted)
     ks, _ = _run(ctl, 4, machine, 40)
     assert ks == [0] * 40 and ctl.bucket(4) in ctl.ruled_out
-    for _ in range(16):  # rounds elsewhere that reject every draft: weighed once, still out
+    for _ in range(16):  # rounds elsewhere (batch 1, one a step) that reject every draft: weighed once, still out
+        ctl._steps += 1
         ctl.observe_round(0, 3, cap=3)
     assert _run(ctl, 4, machine, 4)[0] == [0] * 4 and ctl.ruled_out[ctl.bucket(4)] == ctl._rounds_verified
     for _ in range(120):  # then rounds that accept every draft, long enough to outweigh those
+        ctl._steps += 1
         ctl.observe_round(3, 3, cap=3)
     ks, _ = _run(ctl, 4, machine, 40)
     assert any(ks) and ctl.bucket(4) not in ctl.ruled_out
