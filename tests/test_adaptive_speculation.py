@@ -843,13 +843,13 @@ def test_a_buckets_first_exploration_with_drafts_waits_until_the_run_can_pay_for
     profile = replace(_linear_rows_profile(1, 0.0, 0.1, 2), catch_up_s_per_token=1e-5)
     assert profile.first_exploration_s(1, 1, 1e-3, True, 7, 500) == pytest.approx(7 * 0.1e-3 + 5e-3)
     machine = lambda k: (1 + 0.9 * k, 1.1e-3 + 0.1e-3 * k)  # noqa: E731 (drafts pay)
-    short = lambda: BatchOutlook(remaining_tokens=128, context_tokens=500)  # noqa: E731
+    short = lambda: BatchOutlook(remaining_tokens=128, unseen_tokens=500)  # noqa: E731
     ctl = _profiled(profile)
     ks, _ = _run(ctl, 1, machine, 128, outlook=short)
     assert ks == [0] * 128 and ctl.num_first_explorations_waited > 0
     assert not ctl.ruled_out  # not ruled out: put off
     ctl = _profiled(profile)
-    ks, _ = _run(ctl, 1, machine, 40, outlook=lambda: BatchOutlook(remaining_tokens=4000, context_tokens=500))
+    ks, _ = _run(ctl, 1, machine, 40, outlook=lambda: BatchOutlook(remaining_tokens=4000, unseen_tokens=500))
     assert any(ks[:20]) and ctl.num_first_explorations_waited == 0
     ctl = _profiled(profile)
     ks, _ = _run(ctl, 1, machine, 1000, outlook=short)
@@ -872,6 +872,36 @@ def test_a_buckets_first_exploration_with_drafts_waits_until_the_run_can_pay_for
         ctl = _profiled(profile, objective=objective)
         ks, _ = _run(ctl, 1, machine, 200, outlook=lambda: calls.append(1) or short())  # noqa: B023
         assert ks == [0] * 200 and 1 <= len(calls) <= 200 // (4 * ctl.explore_every) + 2
+
+
+def test_a_first_exploration_counts_the_acceptance_measured_elsewhere_and_only_unseen_tokens():
+    """A batch's requests finish apart, so a warm batch-4 engine runs tails of 1-3 requests
+    whose draft is in step (it drafted for them at batch 4) and whose acceptance is known.
+    By the profile a first exploration of k = 1 at batch 1 adds 0.5 ms of drafts a step: 3.5 ms
+    over its 7 steps, more than 1% of a 0.14 s horizon, so a cold controller puts it off. With
+    this class's acceptance measured (2 of 3 drafts a round, verified elsewhere) its drafts are
+    expected to save 0.67 x 1.1 ms a step, more than they add: it explores at once, unless the
+    draft has 500 tokens to catch up on (5 ms at 10 us each)."""
+    profile = replace(_linear_rows_profile(1, 0.0, 0.5, 2), catch_up_s_per_token=1e-5)
+    machine = lambda k: (1 + 0.9 * k, 1.1e-3 + 0.5e-3 * k)  # noqa: E731 (drafts pay)
+
+    def controller(measured: bool) -> AdaptiveSpeculation:
+        ctl = _profiled(profile)
+        for _ in range(40 if measured else 0):
+            ctl._steps += 1
+            ctl.observe_round(2, 3, cap=3)
+        return ctl
+
+    in_step = lambda: BatchOutlook(remaining_tokens=128, unseen_tokens=0)  # noqa: E731
+    ctl = controller(measured=False)
+    ks, _ = _run(ctl, 1, machine, 60, outlook=in_step)
+    assert ks == [0] * 60 and ctl.num_first_explorations_waited > 0
+    ctl = controller(measured=True)
+    ks, _ = _run(ctl, 1, machine, 60, outlook=in_step)
+    assert any(ks[:20]) and ctl.num_first_explorations_waited == 0
+    ctl = controller(measured=True)
+    ks, _ = _run(ctl, 1, machine, 60, outlook=lambda: BatchOutlook(remaining_tokens=128, unseen_tokens=500))
+    assert ks == [0] * 60 and ctl.num_first_explorations_waited > 0
 
 
 def test_the_bound_takes_each_measured_k_and_grows_the_rest_between_and_past_them():

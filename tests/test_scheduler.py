@@ -547,10 +547,11 @@ def test_a_request_alone_is_admitted_whatever_its_growth():
     assert [n.request_id for n in out.new_requests] == ["a"]
 
 
-def test_the_speculation_policy_sees_the_batchs_remaining_and_context_tokens():
+def test_the_speculation_policy_sees_the_batchs_remaining_and_unseen_tokens():
     """What the policy weighs a bucket's first exploration by: the most tokens a decoding
     request may still generate (max_tokens, or the context limit if nearer) and the decoding
-    requests' context tokens; a request still in its prompt's chunks counts in neither."""
+    requests' context tokens that the draft has not seen (all of them until the worker reports
+    a proposal's); a request still in its prompt's chunks counts in neither."""
     from tailserve.speculative.adaptive import AdaptiveSpeculation
 
     seen = []
@@ -566,10 +567,14 @@ def test_the_speculation_policy_sees_the_batchs_remaining_and_context_tokens():
     s.add_request(req("c", 30, max_tokens=5))  # 12 tokens a step: its prompt takes chunks
     out = s.schedule()
     s.update(out, ModelRunnerOutput({"a": [50], "b": [51]}))
-    assert seen[-1][0] == 2 and seen[-1][1].remaining_tokens == 20 and seen[-1][1].context_tokens == 11
-    s.schedule()
+    assert seen[-1][0] == 2 and seen[-1][1].remaining_tokens == 20 and seen[-1][1].unseen_tokens == 11
+    out = s.schedule()
     # a: 7 tokens, 19 left; b: 6 tokens, 2 left; c still in its prompt
-    assert seen[-1][0] == 2 and seen[-1][1].remaining_tokens == 19 and seen[-1][1].context_tokens == 13
+    assert seen[-1][0] == 2 and seen[-1][1].remaining_tokens == 19 and seen[-1][1].unseen_tokens == 13
+    # The worker's draft has seen a's first 6 tokens (its proposal's report): a 2 unseen of 8, b 7 of 7.
+    s.update(out, ModelRunnerOutput({"a": [52], "b": [53]}, num_draft_computed={"a": 6}))
+    s.schedule()
+    assert seen[-1][0] == 2 and seen[-1][1].unseen_tokens == 9
 
 
 def test_a_quiet_step_of_the_policy_goes_unmeasured_and_only_decode_steps_may_be_quiet():

@@ -64,6 +64,9 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_cap: int = 0  # the most drafts the last proposal could make (its chain may stop sooner)
     num_draft_marked: int = 0  # leading blocks already flagged draft_filled in the pool
+    # Tokens whose draft-model K/V the worker last reported (its last proposal); what the
+    # draft must catch up on is the rest (``Scheduler._outlook``). 0 until reported.
+    num_draft_seen_tokens: int = 0
     # Parallel sampling: the samples waiting to be forked from this one once its prompt is
     # computed, and (on such a sample) the request it waits on.
     fork_children: list[Request] = field(default_factory=list)

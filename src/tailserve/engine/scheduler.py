@@ -327,6 +327,7 @@ class Scheduler:
                 # The draft's K/V is reusable for the leading hit blocks that it filled.
                 req.num_draft_cached_tokens = min(num_computed, self.pool.num_draft_filled(hits) * self.block_size)
                 req.num_draft_marked = 0
+                req.num_draft_seen_tokens = 0  # a resumed request's draft state went with its preemption
                 req.num_registered_blocks = len(hits)
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_computed
@@ -384,15 +385,19 @@ class Scheduler:
 
     @staticmethod
     def _outlook(out: SchedulerOutput, chosen: list[Request]) -> BatchOutlook:
-        """The step's sampling requests: the most tokens one may still generate, and their
-        context tokens (the speculation policy weighs a bucket's first exploration by them)."""
-        remaining, context = 0, 0
+        """The step's sampling requests: the most tokens one may still generate, and the
+        tokens of their contexts that a draft model has not seen (its catch-up: the speculation
+        policy weighs a bucket's first exploration by them). A request that drafted in another
+        bucket (a batch whose requests finish apart leaves tails of 1-3) has its draft in step
+        but for the tokens generated since its last proposal."""
+        remaining, unseen = 0, 0
         for s, req in zip(out.scheduled, chosen):
             if s.sample:
                 remaining = max(remaining, min(req.params.max_tokens - req.num_output_tokens,
                                                req.max_model_len - req.num_tokens))
-                context += req.num_tokens
-        return BatchOutlook(remaining, context)
+                seen = max(req.num_draft_seen_tokens, min(req.num_computed_tokens, req.num_draft_cached_tokens))
+                unseen += max(req.num_tokens - seen, 0)
+        return BatchOutlook(remaining, unseen)
 
     def _reserve_lookahead(self, out: SchedulerOutput, chosen: list[Request]) -> None:
         """Choose each sampling request's number of drafts to propose after this step and
@@ -631,9 +636,11 @@ class Scheduler:
         self.waiting.extendleft(reversed(queued))
 
     def _mark_draft_filled(self, req: Request, num_draft_computed: int | None) -> None:
-        """Flag the request's full blocks that now hold the draft's K/V (for prefix hits)."""
+        """Flag the request's full blocks that now hold the draft's K/V (for prefix hits), and
+        keep the count of tokens it has seen (the outlook's catch-up)."""
         if num_draft_computed is None:
             return
+        req.num_draft_seen_tokens = num_draft_computed
         n = min(num_draft_computed // self.block_size, len(req.block_ids))
         if n > req.num_draft_marked:
             self.pool.mark_draft_filled(req.block_ids[req.num_draft_marked : n])

@@ -166,15 +166,17 @@ class VerifyCostProfile:
         return max(target[k] + draft.get(k, 0.0) - target[0], 0.0) * forward_s / target[0]
 
     def first_exploration_s(self, num_seqs: int, k: int, forward_s: float, greedy: bool, steps: int,
-                            context_tokens: int) -> float | None:
+                            unseen_tokens: int, accepted_s: float = 0.0) -> float | None:
         """What a first exploration of ``k`` (``steps`` steps) costs beyond off, by the profile:
-        the steps' extra (``step_extra_s``, no draft counted as accepted) and the proposer's
-        catch-up over ``context_tokens`` it has never seen, scaled as in ``best_k``."""
+        the steps' extra (``step_extra_s``) less ``accepted_s`` a step (what the drafts it is
+        expected to accept save: 0 where no acceptance is known), never below 0, and the
+        proposer's catch-up over ``unseen_tokens`` it has never seen, scaled as in ``best_k``."""
         costs = self._costs(num_seqs, greedy)
         extra = self.step_extra_s(num_seqs, k, forward_s, greedy)
         if costs is None or extra is None:
             return None
-        return steps * extra + self.catch_up_s_per_token * context_tokens * forward_s / costs[0][0]
+        catch_up_s = self.catch_up_s_per_token * unseen_tokens * forward_s / costs[0][0]
+        return steps * max(extra - accepted_s, 0.0) + catch_up_s
 
     def _costs(self, num_seqs: int, greedy: bool) -> tuple[dict[int, float], dict[int, float]] | None:
         """(k -> target seconds, k -> draft seconds) at ``num_seqs``, for a greedy or a sampled
@@ -256,11 +258,11 @@ class VerifyCostProfile:
 class BatchOutlook:
     """What the scheduler knows of a step's decoding requests and no measurement can: the
     most tokens any of them may still generate (by max_tokens and the context limit; a stop
-    may end it sooner) and their context tokens (what a draft model that has never run beside
-    them must catch up on)."""
+    may end it sooner) and the tokens of their contexts that a draft model has not seen
+    (what it must catch up on before it drafts for them)."""
 
     remaining_tokens: int
-    context_tokens: int
+    unseen_tokens: int
 
 
 @dataclass
@@ -1265,9 +1267,18 @@ class AdaptiveSpeculation:
         off_s = off.per_step()[1]
         top = 1 << max(num_decoding - 1, 0).bit_length()  # the bucket's largest batch size
         view = outlook()
+        # Where this batch class's acceptance is measured (rounds verified in other buckets),
+        # the exploration's drafts save what they are expected to accept: E[T] - 1 tokens a
+        # request a step, each off_s / b of off's time at b requests. Unmeasured (a cold
+        # engine), none is counted.
+        share = self._class_acc[self._greedy]
+        accepted_s = 0.0
+        if share.trials >= self.ceiling_prior_rounds * self._unit:
+            a = min(share.hits / share.trials, 0.999)
+            accepted_s = ((1.0 - a ** (k + 1)) / (1.0 - a) - 1.0) * off_s
         cost_s = self.cost_profile.first_exploration_s(
             top, k, min(self.target_cost.predict(num_decoding), off_s), self._greedy,
-            self.explore_len + self.spec_settle_steps, view.context_tokens)
+            self.explore_len + self.spec_settle_steps, view.unseen_tokens, accepted_s)
         if cost_s is None:
             return 0
         horizon_s = max(view.remaining_tokens * off_s, self._bucket_s.get(bkt, 0.0))
