@@ -78,6 +78,12 @@ from dataclasses import dataclass, field
 from tailserve.config import SloBounds
 
 
+def geometric_tokens(a: float, k: int) -> float:
+    """Tokens a round of k drafts emits a request at per-token acceptance a (Leviathan et
+    al.): (1 - a^(k+1)) / (1 - a), k + 1 at a = 1."""
+    return k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
 @dataclass
 class LinearCostModel:
     """Online weighted least squares for seconds = alpha + beta * tokens."""
@@ -247,7 +253,7 @@ class VerifyCostProfile:
                 on_s = r + profiled[k]
             else:
                 on_s = base_s + profiled[k]
-            tokens = k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+            tokens = geometric_tokens(a, k)
             speed_up = tokens * off_step_s / max(on_s, 1e-9)
             if speed_up > best:
                 best_k, best = k, speed_up
@@ -1116,9 +1122,9 @@ class AdaptiveSpeculation:
 
         A bucket speculating now (its last decision k > 0) is weighed at ``switch_margin``, the
         margin that keeps it on, as its measured rates are: at the switch-on margin the bound
-        took back what the hysteresis gives. Built-in pair, batch 4 greedy (2 AVX-512 cores):
-        k = 2 on at 1.09x of off (fixed k = 2 read 1.09x in the same run), then ruled out when
-        the bound read 1.062x at an acceptance of 0.83, above the margin that keeps it on."""
+        took back what the hysteresis gives. Built-in pair, batch 4 greedy (2 AVX-512 cores,
+        where fixed k = 2 ran 1.09x of off that hour): k = 2 on, then ruled out when the bound
+        read 1.062x at an acceptance of 0.83, above the margin that keeps it on."""
         profile = self.cost_profile
         if profile is None:
             return False
@@ -1274,8 +1280,7 @@ class AdaptiveSpeculation:
         share = self._class_acc[self._greedy]
         accepted_s = 0.0
         if share.trials >= self.ceiling_prior_rounds * self._unit:
-            a = min(share.hits / share.trials, 0.999)
-            accepted_s = ((1.0 - a ** (k + 1)) / (1.0 - a) - 1.0) * off_s
+            accepted_s = (geometric_tokens(share.hits / share.trials, k) - 1.0) * off_s
         cost_s = self.cost_profile.first_exploration_s(
             top, k, min(self.target_cost.predict(num_decoding), off_s), self._greedy,
             self.explore_len + self.spec_settle_steps, view.unseen_tokens, accepted_s)
