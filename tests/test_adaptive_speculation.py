@@ -1111,3 +1111,47 @@ def test_a_bucket_speculating_is_weighed_by_the_bound_at_the_margin_that_keeps_i
     ctl = controller()
     ks, _ = _run(ctl, 1, machine(1.9 * 1.2e-3 / 1.06), 400)
     assert ks[-200:].count(1) < 20 and bkt in ctl.ruled_out
+
+
+def test_explorations_back_off_while_they_keep_confirming_speculation_on():
+    """Where speculation steadily pays, the off probes (each a stretch of slower steps, then
+    the draft's catch-up) come half as often each time they confirm it, down to 1 in
+    ``max_on_backoff`` x explore_every steps; when the machine turns and k loses, the bucket
+    switches off and its probes of k start again at every explore_every."""
+    def machine(pays):
+        # Paying: k >= 2 emits 2 tokens in 1.35 off steps (1.48x); an off probe costs little.
+        return (lambda k: (1 + 0.5 * min(k, 2), 0.005 * (1 + 0.35 * min(k, 2)))) if pays \
+            else (lambda k: (1 + 0.1 * k, 0.005 * (1 + k)))
+
+    def off_probes(ks):
+        return sum(1 for a, b in itertools.pairwise(ks) if a > 0 and b == 0)
+
+    probes = {}
+    for cap in (1, 8):
+        ctl = _optimistic(explore_every=24, max_on_backoff=cap)
+        ks, _ = _run(ctl, 1, machine(True), 4000)
+        assert ks[-1000:].count(0) < 200  # on
+        probes[cap] = off_probes(ks[1000:])
+    assert ctl._backoff[ctl.bucket(1)] == 8
+    assert probes[8] * 3 < probes[1]  # 35 against 7 when written
+    ks, _ = _run(ctl, 1, machine(False), 1000)  # now every k loses
+    assert ks[100:].count(0) > 850 and ctl._backoff[ctl.bucket(1)] < 8
+
+
+def test_while_off_the_cheaper_ks_the_bound_leaves_open_are_probed_too():
+    """Off in a bucket where k = 1 and the bound's best k = 3 measured no better than off (the
+    bound still open: the profile makes drafts free): the next exploration probes k = 2, the
+    unmeasured k below the bound's, not the best measured one again. Built-in pair, batch 4
+    greedy (2 AVX-512 cores): k = 1 and 3 read off's rate there, and k = 2, which ran 1.05x of
+    off as a fixed k, was never measured."""
+    ctl = AdaptiveSpeculation(k_max=3, explore_every=24, cost_profile=_linear_rows_profile(1, 0.0, 0.0, 3))
+    _feed_costs(ctl, (1e-3, 0.0), (1e-4, 0.0))
+    for _ in range(40):
+        ctl.observe_round(3, 3, cap=3)
+    for k in (0, 1, 3, 0):
+        _steady(ctl, 1, k, tokens=1, seconds=1e-3, steps=8)  # every k at off's rate
+    bkt = ctl.bucket(1)
+    ctl._decided[bkt] = 0
+    ctl._since_explore[bkt] = 10**6  # an exploration is due
+    assert ctl.choose_k(1) == 2
+    assert ctl._bound_k[bkt] == 3
