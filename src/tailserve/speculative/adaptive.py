@@ -53,14 +53,15 @@ minutes apart compare the machine's drift (±10-25% here), not k. Explorations l
 choice, or where that is the k in use a random one at most one above the model's best), so
 off every other time, since an off probe costs little exactly where speculation's lead is
 thin. While off they probe the k that the start-up profile's bound (below) finds best where
-it has not been measured yet, else the best measured k (k = 1 where none is), the one the next
-decision weighs against off. Each exploration's cost (its seconds beyond what the k in use
-would have taken for its tokens) sets the least number of steps before the bucket's next, so
-that explorations cost at most ``explore_budget`` of its time (a bucket's first with a draft
-model, not measured yet, is costed from the start-up profile and waits until it fits that
-budget of the bucket's horizon: see ``_drafted``); while they keep confirming
-speculation off in a bucket, they also come half as often each time (down to 1 in
-``max_backoff`` x explore_every steps).
+it has not been measured yet, then the cheaper ones not measured yet, else the best measured k
+(k = 1 where none is), the one the next decision weighs against off. Each exploration's cost
+(its seconds beyond what the k in use would have taken for its tokens) sets the least number
+of steps before the bucket's next, so that explorations cost at most ``explore_budget`` of its
+time (a bucket's first with a draft model, not measured yet, is costed from the start-up
+profile and waits until it fits that budget of the bucket's horizon: see ``_drafted``); while
+they keep confirming speculation off in a bucket, they also come half as often each time (down
+to 1 in ``max_backoff`` x explore_every steps), and while they keep confirming it on, down to 1
+in ``max_on_backoff`` x explore_every.
 Measured on the built-in pair (docs/benchmarks.md): without the measured check, batch 16
 greedy ran at 0.73x of speculation off on a 2-core AVX2 CPU; with the running average of
 per-step rates, batch 16
