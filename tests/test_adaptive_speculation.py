@@ -1155,3 +1155,26 @@ def test_while_off_the_cheaper_ks_the_bound_leaves_open_are_probed_too():
     ctl._since_explore[bkt] = 10**6  # an exploration is due
     assert ctl.choose_k(1) == 2
     assert ctl._bound_k[bkt] == 3
+
+
+def test_no_exploration_starts_where_the_batch_ends_before_it_would():
+    """An exploration from off is due, but every request of the batch has fewer tokens left
+    than the exploration lasts (the tail of a batch whose requests finished apart): the
+    controller stays off and explores at the next step whose batch can finish it; the same
+    for a ruled-out bucket's recheck."""
+    ctl = _optimistic(explore_every=24)
+    _steady(ctl, 1, 0, tokens=1, seconds=1e-3, steps=8)
+    bkt = ctl.bucket(1)
+    ctl._decided[bkt] = 0
+    ctl._since_explore[bkt] = 10**6  # due
+    ending = lambda: BatchOutlook(remaining_tokens=ctl.explore_len, unseen_tokens=0)  # noqa: E731
+    fresh = lambda: BatchOutlook(remaining_tokens=128, unseen_tokens=0)  # noqa: E731
+    assert [ctl.choose_k(1, outlook=ending) for _ in range(3)] == [0, 0, 0]
+    assert ctl._explore_left == 0 and bkt not in ctl._drafted
+    assert ctl.choose_k(1, outlook=fresh) > 0  # a new batch: explored at once
+    ruled = _optimistic(explore_every=24)
+    _steady(ruled, 1, 0, tokens=1, seconds=1e-3, steps=8)
+    ruled.ruled_out[bkt], ruled._ruled_at[bkt], ruled._recheck_every[bkt] = ruled._rounds_verified, 0, 10
+    ruled._steps = 100  # the recheck is due
+    assert ruled.choose_k(1, outlook=ending) == 0 and bkt in ruled.ruled_out
+    assert ruled.choose_k(1, outlook=fresh) > 0 and ruled.num_rechecks == 1
