@@ -1171,7 +1171,8 @@ def test_no_exploration_starts_where_the_batch_ends_before_it_would():
     fresh = lambda: BatchOutlook(remaining_tokens=128, unseen_tokens=0)  # noqa: E731
     assert [ctl.choose_k(1, outlook=ending) for _ in range(3)] == [0, 0, 0]
     assert ctl._explore_left == 0 and bkt not in ctl._drafted
-    assert ctl.choose_k(1, outlook=fresh) > 0  # a new batch: explored at once
+    queued = lambda: BatchOutlook(remaining_tokens=2, unseen_tokens=0, num_waiting=1)  # noqa: E731
+    assert ctl.choose_k(1, outlook=queued) > 0  # a request waits for the slot: the bucket goes on
     ruled = _optimistic(explore_every=24)
     _steady(ruled, 1, 0, tokens=1, seconds=1e-3, steps=8)
     ruled.ruled_out[bkt], ruled._ruled_at[bkt], ruled._recheck_every[bkt] = ruled._rounds_verified, 0, 10

@@ -551,7 +551,8 @@ def test_the_speculation_policy_sees_the_batchs_remaining_and_unseen_tokens():
     """What the policy weighs a bucket's first exploration by: the most tokens a decoding
     request may still generate (max_tokens, or the context limit if nearer) and the decoding
     requests' context tokens that the draft has not seen (all of them until the worker reports
-    a proposal's); a request still in its prompt's chunks counts in neither."""
+    a proposal's); a request still in its prompt's chunks counts in neither; and the requests
+    waiting for a slot."""
     from tailserve.speculative.adaptive import AdaptiveSpeculation
 
     seen = []
@@ -574,7 +575,15 @@ def test_the_speculation_policy_sees_the_batchs_remaining_and_unseen_tokens():
     # The worker's draft has seen a's first 6 tokens (its proposal's report): a 2 unseen of 8, b 7 of 7.
     s.update(out, ModelRunnerOutput({"a": [52], "b": [53]}, num_draft_computed={"a": 6}))
     s.schedule()
-    assert seen[-1][0] == 2 and seen[-1][1].unseen_tokens == 9
+    assert seen[-1][0] == 2 and seen[-1][1].unseen_tokens == 9 and seen[-1][1].num_waiting == 0
+    # One slot: the second request waits, and the policy hears of it.
+    one = Scheduler(SchedulerConfig(1, 12, True), BlockPool(64, 4, False), Spy(k_max=3))
+    one.add_request(req("d", 6, max_tokens=4))
+    one.add_request(req("e", 6, max_tokens=4))
+    out = one.schedule()
+    one.update(out, ModelRunnerOutput({"d": [50]}))
+    one.schedule()
+    assert seen[-1][0] == 1 and seen[-1][1].num_waiting == 1
 
 
 def test_a_quiet_step_of_the_policy_goes_unmeasured_and_only_decode_steps_may_be_quiet():

@@ -383,13 +383,13 @@ class Scheduler:
         this to reserve the whole context up front."""
         return -(-num_tokens // self.block_size)
 
-    @staticmethod
-    def _outlook(out: SchedulerOutput, chosen: list[Request]) -> BatchOutlook:
+    def _outlook(self, out: SchedulerOutput, chosen: list[Request]) -> BatchOutlook:
         """The step's sampling requests: the most tokens one may still generate, and the
         tokens of their contexts that a draft model has not seen (its catch-up: the speculation
         policy weighs a bucket's first exploration by them). A request that drafted in another
         bucket (a batch whose requests finish apart leaves tails of 1-3) has its draft in step
-        but for the tokens generated since its last proposal."""
+        but for the tokens generated since its last proposal. And how many requests wait for a
+        slot (they take the ones these free)."""
         remaining, unseen = 0, 0
         for s, req in zip(out.scheduled, chosen):
             if s.sample:
@@ -397,7 +397,7 @@ class Scheduler:
                                                req.max_model_len - req.num_tokens))
                 seen = max(req.num_draft_seen_tokens, min(req.num_computed_tokens, req.num_draft_cached_tokens))
                 unseen += max(req.num_tokens - seen, 0)
-        return BatchOutlook(remaining, unseen)
+        return BatchOutlook(remaining, unseen, len(self.waiting))
 
     def _reserve_lookahead(self, out: SchedulerOutput, chosen: list[Request]) -> None:
         """Choose each sampling request's number of drafts to propose after this step and

@@ -270,6 +270,7 @@ class BatchOutlook:
 
     remaining_tokens: int
     unseen_tokens: int
+    num_waiting: int = 0  # requests queued for a slot: the batch does not end with these
 
 
 @dataclass
@@ -1289,8 +1290,11 @@ class AdaptiveSpeculation:
         and the tails of 1-3 requests fall in buckets whose explorations were due: traced at
         batch 4 greedy (built-in pair, 2 AVX-512 cores), a batch-2 tail's step caught the draft
         up on both requests (4.3 ms against ~0.95 for off's step) a step or two before they
-        ended, and its own exploration counted as a gain. None: nothing known, explore."""
-        return view is not None and view.remaining_tokens < self.explore_len + self.spec_settle_steps
+        ended, and its own exploration counted as a gain. Requests waiting for a slot take the
+        freed ones (the bucket goes on); a request's max_tokens under the exploration's length
+        keeps a bucket from exploring while none waits. None: nothing known, explore."""
+        return view is not None and not view.num_waiting \
+            and view.remaining_tokens < self.explore_len + self.spec_settle_steps
 
     def _first_exploration_wait(self, bkt: int, num_decoding: int, k: int, view: BatchOutlook | None) -> int:
         """Steps to put off the bucket's first exploration of ``k`` (0: explore now): while it
