@@ -1179,3 +1179,30 @@ def test_no_exploration_starts_where_the_batch_ends_before_it_would():
     ruled._steps = 100  # the recheck is due
     assert ruled.choose_k(1, outlook=ending) == 0 and bkt in ruled.ruled_out
     assert ruled.choose_k(1, outlook=fresh) > 0 and ruled.num_rechecks == 1
+
+
+def test_a_batch_that_shrinks_keeps_the_k_of_the_bucket_it_shrank_from():
+    """Speculation on at batch 4; the batch's requests finish apart and it shrinks to 2, then 1
+    (a closed batch's tail): those steps take batch 4's k, with no off probe or decision of
+    their own, for ``drain_inherit_steps`` steps after batch 4 last decided it; then the
+    smaller bucket decides for itself (cold here: off measured first). Where batch 4 decided
+    off, or for the other class of requests, a smaller batch decides for itself at once."""
+    pays = lambda k: (4 * (1 + 0.5 * min(k, 2)), 0.004 * (1 + 0.35 * min(k, 2)))  # noqa: E731
+    loses = lambda k: (4 * (1 + 0.1 * k), 0.004 * (1 + k))  # noqa: E731
+    ctl = _optimistic(explore_every=24)
+    ks, _ = _run(ctl, 4, pays, 300)
+    while ctl._explore_left or ks[-1] == 0:  # end on a decided k, not inside a probe
+        ks += _run(ctl, 4, pays, 1)[0]
+    on = ks[-1]
+    assert on > 0 and ctl._on_from[0] == ctl.bucket(4)
+    tail, _ = _run(ctl, 2, lambda k: (2 * (1 + 0.5 * min(k, 2)), 0.003), 8)
+    tail += _run(ctl, 1, lambda k: (1 + 0.5 * min(k, 2), 0.002), ctl.drain_inherit_steps - 8)[0]
+    assert tail == [on] * ctl.drain_inherit_steps and ctl.num_inherited_steps == ctl.drain_inherit_steps
+    assert ctl.choose_k(1) == 0  # past the bound: batch 1's own (cold) decision
+    assert ctl.choose_k(2, greedy=True) == 0  # greedy requests never took a sampled bucket's k
+
+    off = _optimistic(explore_every=24)
+    ks, _ = _run(off, 4, loses, 300)
+    while off._explore_left or ks[-1] != 0:
+        ks += _run(off, 4, loses, 1)[0]
+    assert off._on_from is None and off.choose_k(2) == 0 and off.num_inherited_steps == 0

@@ -640,6 +640,20 @@ class AdaptiveSpeculation:
     # beside an engine without a draft model; ~9 us with leases, ~4 us once a ruled-out
     # bucket reports one step in ``ruled_out_report_every``.
     _lease: _Lease | None = None
+    # A batch that shrinks keeps the k of the larger bucket it shrank from: for up to
+    # ``drain_inherit_steps`` steps after that bucket (same class) last decided a k > 0, a
+    # smaller bucket takes that k (within its own cap) with no decision or exploration of its
+    # own. What pays at a batch size pays at a smaller one (verification rows cost least where
+    # they are fewest: on the built-in pair k pays ~1.5x at batch 1 greedy, ~1.05x at batch
+    # 4), and the draft is in step there, having just drafted for every request. Drafts make a
+    # closed batch's requests finish apart: traced at batch 4 greedy with k = 2-3 on (2
+    # AVX-512 cores), 5-17 of a batch's 48-61 steps ran at batch 1-3, mostly off there (those
+    # buckets' windows measured only such tails, a few steps at a time), one token per request
+    # a step at ~3x a batch-4 step's cost per token, and their first explorations caught the
+    # draft up on whole contexts. Bounded in steps: a load that stays smaller decides for itself.
+    drain_inherit_steps: int = 24
+    _on_from: tuple[int, int, int] | None = None  # (bucket, k, step count) of the last decision of a k > 0
+    num_inherited_steps: int = 0  # steps that took a larger bucket's k (tests, docs)
 
     def __post_init__(self) -> None:
         n = self.k_max + 1
@@ -976,6 +990,11 @@ class AdaptiveSpeculation:
             # to the old one. Carried over, the k = 8 of a batch-1 exploration at a load's tail
             # ran as k = 3 over the next load's four fresh requests (0.84x of off there).
             self._explore_left = 0
+        on = self._on_from
+        if on is not None and on[0] > bkt and not (on[0] - bkt) % 2 \
+                and self._steps - on[2] <= self.drain_inherit_steps:
+            self.num_inherited_steps += 1
+            return self._set(min(on[1], cap), num_decoding)
         if bkt in self.ruled_out:
             # Ruled out until rounds verified elsewhere (other batch sizes) move the acceptance
             # the bound assumes: weighed again once every 16 of them, not every step.
@@ -1024,6 +1043,7 @@ class AdaptiveSpeculation:
                 # the same windows (a quiet step adds nothing to them) decides the same, and a
                 # decision reads every window (~100-200 us on 2 AVX2 cores after a forward).
                 held[1] -= 1
+                self._note_decision(bkt, held[0])
             return self._set(held[0], num_decoding, quiet)
         off = self.measured_rate(num_decoding, 0)
         if off is None or not self.target_cost.ready:
@@ -1031,6 +1051,7 @@ class AdaptiveSpeculation:
         if self._cannot_pay(bkt, num_decoding):
             self._rule_out(bkt, num_decoding)
             self._decided[bkt] = 0
+            self._note_decision(bkt, 0)
             return self._set(0, num_decoding)
         if not self.draft_cost.ready:
             return self._explore_drafts(1, bkt, num_decoding, outlook)  # the draft's cost, at the cheapest k
@@ -1106,7 +1127,16 @@ class AdaptiveSpeculation:
             self._backoff[bkt] = 1  # switched on or off between explorations: probed as anew
         self._decided[bkt] = k
         self._held[bkt] = [k, self.decide_every - 1]
+        self._note_decision(bkt, k)
         return self._set(k, num_decoding)
+
+    def _note_decision(self, bkt: int, k: int) -> None:
+        """Keep where speculation was last decided on, for the smaller buckets a batch shrinks
+        to (see ``drain_inherit_steps``); a decision of off there ends it."""
+        if k > 0:
+            self._on_from = (bkt, k, self._steps)
+        elif self._on_from is not None and self._on_from[0] == bkt:
+            self._on_from = None
 
     def _rule_out(self, bkt: int, num_decoding: int) -> None:
         """Rule ``bkt`` out (``_cannot_pay`` said so), with a recheck by drafting where some
