@@ -59,9 +59,11 @@ it has not been measured yet, then the cheaper ones not measured yet, else the b
 of steps before the bucket's next, so that explorations cost at most ``explore_budget`` of its
 time (a bucket's first with a draft model, not measured yet, is costed from the start-up
 profile and waits until it fits that budget of the bucket's horizon: see ``_drafted``); while
-they keep confirming speculation off in a bucket, they also come half as often each time (down
-to 1 in ``max_backoff`` x explore_every steps), and while they keep confirming it on, down to 1
-in ``max_on_backoff`` x explore_every.
+they keep confirming speculation off in a bucket, the backed-off interval doubles each time (down
+to 1 in ``max_backoff`` x explore_every steps; where the budget spaces them further, that
+decides until the doubling passes it), and while they keep confirming it on, down to 1
+in ``max_on_backoff`` x explore_every. A batch that shrinks (its requests finishing apart)
+keeps the k of the bucket it shrank from for ``drain_inherit_steps`` steps.
 Measured on the built-in pair (docs/benchmarks.md): without the measured check, batch 16
 greedy ran at 0.73x of speculation off on a 2-core AVX2 CPU; with the running average of
 per-step rates, batch 16
