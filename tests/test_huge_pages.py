@@ -46,9 +46,15 @@ def test_the_engine_sets_the_variable_on_a_cpu_unless_the_user_or_the_kernel_dec
 
 
 def test_a_variable_the_user_set_to_off_is_reported_as_theirs():
+    # The probe stands for an allocator that obeys the given mapping: this process's own may
+    # already be on huge pages (an engine started earlier in the same test worker set it).
     for value in ("0", "false", "OFF"):
-        on, why = huge_pages.enable_for_engine(True, {huge_pages.ENV: value}, "madvise")
+        on, why = huge_pages.enable_for_engine(True, {huge_pages.ENV: value}, "madvise", probe=lambda: False)
         assert (on, why) == (False, f"{huge_pages.ENV}={value} as set")
+    on, why = huge_pages.enable_for_engine(True, {huge_pages.ENV: "1"}, "madvise", probe=lambda: False)
+    assert not on and why.startswith("not in force")
+    env: dict[str, str] = {}
+    assert huge_pages.enable_for_engine(True, env, "madvise", probe=lambda: True)[0] and env[huge_pages.ENV] == "1"
 
 
 def test_a_gpu_engine_leaves_the_environment_alone():

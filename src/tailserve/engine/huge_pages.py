@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 
 ENV = "THP_MEM_ALLOC_ENABLE"
 HUGE_PAGE_BYTES = 2 << 20
@@ -91,9 +91,12 @@ def _vm_flags(smaps: str, address: int) -> list[str]:
 
 
 def enable_for_engine(cpu_device: bool, env: MutableMapping[str, str] | None = None,
-                      thp_mode: str | None = None) -> tuple[bool, str]:
+                      thp_mode: str | None = None,
+                      probe: Callable[[], bool] = allocator_uses_huge_pages) -> tuple[bool, str]:
     """Set the variable for a CPU engine (``decide``), then report whether PyTorch's allocator
-    uses huge pages and why. Called by the worker before it loads the model."""
+    uses huge pages (``probe``, which reads this process) and why. Called by the worker before
+    it loads the model. A test that passes its own ``env`` passes a ``probe`` to match: this
+    process's allocator answers for ``os.environ``, not for that mapping."""
     global _decided
     real = env is None
     env = os.environ if env is None else env
@@ -103,7 +106,7 @@ def enable_for_engine(cpu_device: bool, env: MutableMapping[str, str] | None = N
         return False, why
     if set_it:
         env[ENV] = "1"
-    in_force = allocator_uses_huge_pages()
+    in_force = probe()
     if not in_force and (set_it or env.get(ENV, "0").strip().lower() not in _OFF):
         why = (f"not in force: this process made a CPU tensor before {ENV} was set (PyTorch reads it at "
                f"its first allocation); set {ENV}=1 before starting")
