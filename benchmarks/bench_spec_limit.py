@@ -102,8 +102,9 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--acceptances", type=float, nargs="+", default=[0.5, 0.7, 0.9])
     ap.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8])
-    ap.add_argument("--draft-quantization", default=None, choices=["int8"],
-                    help="the draft's weights in int8 (its c measured with the same weights)")
+    ap.add_argument("--draft-quantization", default=None, choices=["int8", "none"],
+                    help="the draft's weights in int8 or its own (default: the engine's choice, int8 on an "
+                         "AVX-512 CPU); its c is measured with the same weights")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     os.environ.setdefault("TAILSERVE_BENCHMARK", "1")
@@ -113,15 +114,21 @@ def main() -> None:
     flags = cpu_flags()
     isa = ("AVX-512" + (" with bf16" if "avx512_bf16" in flags else "")) if "avx512f" in flags else \
         "AVX2" if "avx2" in flags else "no AVX2"
-    print(f"CPU: {isa}, {torch.get_num_threads()} threads; 55M target, 2-layer draft"
-          f"{' (int8 weights)' if args.draft_quantization else ''}, greedy, 128 tokens; "
-          f"{args.runs} interleaved pairs a cell")
     tmp = tempfile.mkdtemp()
     target = make(os.path.join(tmp, "target"), 8, 0)
     draft = make(os.path.join(tmp, "draft"), 2, 1)
     kv = dict(kv_cache_memory_bytes=512 << 20, max_num_seqs=16)
-    base_llm, draft_llm = LLM(target, **kv), LLM(draft, quantization=args.draft_quantization, **kv)
-    out = {"cpu": isa, "runs": args.runs, "draft_quantization": args.draft_quantization, "cells": []}
+    # The draft's weights as the speculative engines will hold them (the plan's choice unless
+    # --draft-quantization says), so that c is measured on the same weights.
+    probe = LLM(target, speculative_model=draft, num_speculative_tokens=2,
+                speculative_draft_quantization=args.draft_quantization, **kv)
+    draft_int8 = probe.engine.health()["plan"]["draft"]["linear"].startswith("int8")
+    probe.shutdown()
+    print(f"CPU: {isa}, {torch.get_num_threads()} threads; 55M target, 2-layer draft"
+          f"{' (int8 weights)' if draft_int8 else ' (bf16 weights)'}, greedy, 128 tokens; "
+          f"{args.runs} interleaved pairs a cell")
+    base_llm, draft_llm = LLM(target, **kv), LLM(draft, quantization="int8" if draft_int8 else None, **kv)
+    out = {"cpu": isa, "runs": args.runs, "draft_quantization": "int8" if draft_int8 else "none", "cells": []}
     for b in args.batches:
         warm(base_llm, b)
         warm(draft_llm, b)

@@ -175,6 +175,7 @@ def test_bad_sampling_params(kwargs, param):
     dict(speculative_model="builtin", speculative_draft_numpy="yes"),
     dict(speculative_model="builtin", speculative_draft_quantization="int4"),
     dict(speculative_method="ngram", speculative_draft_quantization="int8"),
+    dict(speculative_method="ngram", speculative_draft_quantization="none"),
     dict(speculative_model="builtin", speculative_draft_quantization="int8", speculative_draft_numpy=True),
 ])
 def test_bad_engine_config(llama_checkpoint, kwargs):

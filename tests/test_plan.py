@@ -159,10 +159,40 @@ DRAFT_TABLE = [
     ("small int8 draft: no NumPy chain", config(speculative_method="draft_model", speculative_model="builtin",
                                                 speculative_draft_quantization="int8"), SMALL_F32, AVX2_KERNELS,
      torch.float32, (torch.float32, "int8-weight-only", False, "cpu-decode", "batched")),
+    ("bf16 draft, AVX-512 kernels: int8 by default", config(speculative_method="draft_model",
+                                                            speculative_model="builtin"), arch(), AVX512_KERNELS,
+     torch.float32, (torch.float32, "int8-weight-only", False, "cpu-decode", "batched")),
+    ("hybrid, bf16 draft, AVX-512 kernels: int8 by default", config(speculative_method="hybrid",
+                                                                    speculative_model="builtin"), arch(),
+     AVX512_KERNELS, torch.float32, (torch.float32, "int8-weight-only", False, "cpu-decode", "batched")),
+    ("AVX-512, --speculative-draft-quantization none", config(speculative_method="draft_model",
+                                                              speculative_model="builtin",
+                                                              speculative_draft_quantization="none"), arch(),
+     AVX512_KERNELS, torch.float32, (torch.float32, "cpu-compact-weights", True, "cpu-decode", "batched")),
+    ("AVX-512, float32 draft: not quantized", config(speculative_method="draft_model", speculative_model="builtin"),
+     SMALL_F32, AVX512_KERNELS, torch.float32, (torch.float32, "onednn-packed", False, "cpu-decode", "numpy")),
+    ("AVX-512, explicit bf16 draft: not quantized", config(speculative_method="draft_model",
+                                                           speculative_model="builtin",
+                                                           speculative_draft_dtype="bfloat16"), arch(),
+     AVX512_KERNELS, torch.float32, (torch.bfloat16, "onednn-packed", False, "torch-reference", "torch")),
+    ("AVX-512, --speculative-draft-numpy: not quantized", config(speculative_method="draft_model",
+                                                                 speculative_model="builtin",
+                                                                 speculative_draft_numpy=True), arch(),
+     AVX512_KERNELS, torch.float32, (torch.float32, "cpu-compact-weights", True, "cpu-decode", "numpy")),
     ("CUDA draft: the target's dtype", config(device="cuda", speculative_method="draft_model",
                                               speculative_model="builtin"), arch(), H200, torch.bfloat16,
      (torch.bfloat16, "plain", False, "torch-reference", "torch")),
 ]
+
+
+def test_a_default_int8_draft_says_why_and_how_to_keep_the_drafts_own_weights():
+    cfg = config(speculative_method="draft_model", speculative_model="builtin")
+    reason = plan_draft(cfg, DRAFT_DIR, arch(), CPU, AVX512_KERNELS, torch.float32).model.linear.reason
+    assert reason.startswith("int8 by default for a bf16/fp16 draft on an AVX-512 CPU")
+    assert "--speculative-draft-quantization none" in reason
+    asked = dataclasses.replace(cfg, speculative_draft_quantization="int8")
+    assert plan_draft(asked, DRAFT_DIR, arch(), CPU, AVX2_KERNELS, torch.float32).model.linear.reason.startswith(
+        "--speculative-draft-quantization int8")
 
 
 @pytest.mark.parametrize("case,cfg,a,caps,target_dtype,want", DRAFT_TABLE, ids=[t[0] for t in DRAFT_TABLE])

@@ -423,19 +423,21 @@ def test_draft_chain_through_the_cpu_decode_kernel_matches_the_reference(llama_c
 
 
 def test_builtin_bf16_draft_runs_on_compact_weights_and_stays_exact(llm_builtin_spec, engine_cache):
-    """The built-in pair (bf16 checkpoints) on the CPU: the draft runs in float32 over its
-    compact bf16 weights through the compiled kernels, not in NumPy; greedy output equals
-    the target's alone at batch 1 and 4, and sampled output keeps a seeded request's tokens
-    whatever shares its batch."""
+    """The built-in pair (bf16 checkpoints) on the CPU: the draft runs in float32 through the
+    compiled kernels, not in NumPy, over its compact bf16 weights (int8 ones by default on an
+    AVX-512 CPU); greedy output equals the target's alone at batch 1 and 4, and sampled output
+    keeps a seeded request's tokens whatever shares its batch."""
     from tailserve.kernels.cpu import kernels
-    from tailserve.model.linear import CpuCompactWeightsLinearMethod
+    from tailserve.model.linear import CpuCompactWeightsLinearMethod, Int8WeightOnlyLinearMethod
+    from tailserve.platform_info import cpu_flags
 
     if kernels() is None:
         pytest.skip("no compiled CPU kernels")
     spec = llm_builtin_spec
     prop = spec.engine.proposer
     assert prop.numpy_step is None and prop.model.embed_tokens.dtype == torch.float32
-    assert isinstance(spec.engine.core.worker.draft_linear_method, CpuCompactWeightsLinearMethod)
+    want = Int8WeightOnlyLinearMethod if "avx512f" in cpu_flags() else CpuCompactWeightsLinearMethod
+    assert isinstance(spec.engine.core.worker.draft_linear_method, want)
     base = engine_cache()
     prompts = ["def add(a, b):", "class Stack:\n", "import os\n", "for i in range("]
     p = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -443,6 +445,11 @@ def test_builtin_bf16_draft_runs_on_compact_weights_and_stays_exact(llm_builtin_
         assert [o.outputs[0].token_ids for o in spec.generate(batch, p)] == \
             [o.outputs[0].token_ids for o in base.generate(batch, p)]
     assert spec.engine.spec_stats.num_accepted_tokens > 0
+    # The draft's own compact weights, asked for, on any CPU: the same greedy output.
+    own = engine_cache(speculative_model="builtin", num_speculative_tokens=3, speculative_draft_quantization="none")
+    assert isinstance(own.engine.core.worker.draft_linear_method, CpuCompactWeightsLinearMethod)
+    assert [o.outputs[0].token_ids for o in own.generate(prompts, p)] == \
+        [o.outputs[0].token_ids for o in base.generate(prompts, p)]
     seeded = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=30, seed=11, ignore_eos=True)
     alone = spec.generate(prompts[:1], seeded)[0].outputs[0].token_ids
     mixed = spec.generate(prompts, [seeded] + [SamplingParams(temperature=1.0, max_tokens=30)] * 3)

@@ -100,8 +100,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-max-tokens", type=int, default=8, help="upper bound for adaptive k")
     s.add_argument("--speculative-draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="the draft model's dtype (auto: the target's)")
-    s.add_argument("--speculative-draft-quantization", default=None, choices=["int8"],
-                   help="weight-only int8 for the draft model (lossless: only acceptance can change)")
+    s.add_argument("--speculative-draft-quantization", default=None, choices=["int8", "none"],
+                   help="weight-only int8 for the draft model (lossless: only acceptance can change); "
+                        "default: int8 for a bf16/fp16 draft on an AVX-512 CPU, none elsewhere")
     s.add_argument("--speculative-draft-numpy", action=argparse.BooleanOptionalAction, default=None,
                    help="run a single sequence's draft steps in NumPy on the CPU (float32 draft); "
                         "default: on the CPU for drafts of up to 8M parameters")

@@ -299,6 +299,8 @@ class EngineConfig:
     # "quantization"). Lossless like any draft (only acceptance depends on q). On a CPU a draft
     # step then reads half its bf16 bytes, and the draft pushes fewer of the target's weights
     # out of the cache between target steps (docs/speculative.md, "Against the analytical limit").
+    # None: int8 where the plan finds it measured faster (a bf16/fp16 draft on an AVX-512 CPU
+    # with the compiled kernels, ``plan_draft``), else the draft's own weights; "none": never.
     speculative_draft_quantization: str | None = None
     # Run a single sequence's draft-chain steps in NumPy (CPU, float32 draft, no sliding
     # window; see speculative/numpy_draft.py). None: when possible, the draft is small (up to
@@ -487,14 +489,14 @@ class EngineConfig:
                               f"got {self.speculative_draft_numpy!r}")
         if self.speculative_draft_numpy and not self.device == "cpu":
             raise ConfigError("speculative_draft_numpy runs the draft in NumPy, which needs device cpu")
-        if self.speculative_draft_quantization not in (None, "int8"):
-            raise ConfigError("speculative_draft_quantization must be int8 or unset, "
+        if self.speculative_draft_quantization not in (None, "int8", "none"):
+            raise ConfigError("speculative_draft_quantization must be int8, none or unset, "
                               f"got {self.speculative_draft_quantization!r}")
         if self.speculative_draft_quantization is not None:
             if method not in ("draft_model", "hybrid"):
-                raise ConfigError("speculative_draft_quantization quantizes a draft model: it needs "
+                raise ConfigError("speculative_draft_quantization sets a draft model's weights: it needs "
                                   "speculative_model (speculative_method draft_model or hybrid)")
-            if self.speculative_draft_numpy:
+            if self.speculative_draft_numpy and self.speculative_draft_quantization == "int8":
                 raise ConfigError("speculative_draft_numpy runs float32 weights in NumPy: it cannot take "
                                   "speculative_draft_quantization int8")
         if self.speculative_draft_numpy and self.speculative_draft_dtype not in ("auto", "float32"):

@@ -271,11 +271,13 @@ def _linear_plan(device: torch.device, dtype: torch.dtype, checkpoint_dtype: tor
                  caps: Capabilities, quantization: str | None, keep_float32: bool = False,
                  weight_bytes: int = 0, quantization_flag: str = "--quantization") -> LinearPlan:
     """``weight_bytes``: the checkpoint's weights in its own dtype (what a second copy costs);
-    ``quantization_flag``: the option that asked for ``quantization`` (for the reason)."""
+    ``quantization_flag``: the option that asked for ``quantization`` (for the reason), or the
+    reason itself where the plan chose int8 (it then starts with "int8")."""
     cpu = device.type == "cpu"
     kernels = cpu and config.cpu_kernels and caps.cpu_kernels
     if quantization == "int8":
-        return LinearPlan("int8-weight-only", f"{quantization_flag} int8" + (
+        return LinearPlan("int8-weight-only", (quantization_flag if quantization_flag.startswith("int8")
+                                               else f"{quantization_flag} int8") + (
             "; batches of up to 16 rows through the compiled CPU kernel" if kernels and dtype == torch.float32
             else ""), cpu_kernels=kernels)
     # A float32 model of a bf16/fp16 checkpoint on the CPU keeps the weights in the
@@ -514,6 +516,11 @@ def plan_kv_cache_dtype(config: EngineConfig, model: ModelPlan,
     return model.dtype, "the model's dtype"
 
 
+# The reason a draft plan gives for int8 weights nobody asked for (``plan_draft``).
+DEFAULT_INT8_DRAFT_REASON = ("int8 by default for a bf16/fp16 draft on an AVX-512 CPU, where it was measured "
+                             "faster (--speculative-draft-quantization none keeps the draft's own weights)")
+
+
 def uses_draft_model(config: EngineConfig) -> bool:
     """Whether the speculative method runs a draft model (n-gram lookup has none)."""
     return config.speculative_method in ("draft_model", "hybrid")
@@ -528,8 +535,21 @@ def plan_draft(config: EngineConfig, draft_dir: pathlib.Path, arch: ModelArchCon
     # A bf16/fp16 draft checkpoint on a CPU with the compiled kernels runs in float32 over its
     # compact weights, single sequences included: measured on the built-in pair at batch 1
     # (docs/benchmarks.md), greedy 352 tok/s against 291 with the NumPy step.
-    quant = config.speculative_draft_quantization
-    compact = kernels and half and config.speculative_draft_dtype in ("auto", "float32") and quant is None
+    quant, quant_flag = config.speculative_draft_quantization, "--speculative-draft-quantization"
+    float_draft = config.speculative_draft_dtype in ("auto", "float32")
+    if quant == "none":
+        quant = None
+    elif quant is None and kernels and half and float_draft and not config.speculative_draft_numpy \
+            and "avx512f" in caps.cpu_flags:
+        # Where the CPU has AVX-512, such a draft's weights go to int8 by default (lossless: the
+        # target verifies every draft): the draft reads half the bytes and evicts fewer of the
+        # target's weights from the cache between its steps. Built-in pair on 2 Xeon cores
+        # (docs/benchmarks.md, sessions 42, 48 and 49, the same acceptance each time): batch 1
+        # greedy k = 4 1.69x -> 1.74x of off, adaptive 1.55x -> 1.64x; t = 0.8 k = 4 1.21x ->
+        # 1.27x; batch 4 greedy k = 2 1.068x -> 1.081x. Not measured yet on an AVX2-only CPU,
+        # which keeps the compact bf16 draft until it is.
+        quant, quant_flag = "int8", DEFAULT_INT8_DRAFT_REASON
+    compact = kernels and half and float_draft and quant is None
     numpy_step = config.speculative_draft_numpy
     if numpy_step is None:
         numpy_step = (cpu and config.speculative_draft_dtype in ("auto", "float32") and arch.sliding_window is None
@@ -551,7 +571,7 @@ def plan_draft(config: EngineConfig, draft_dir: pathlib.Path, arch: ModelArchCon
     # the float32 weights are kept too for more rows (a draft is small). With int8 the draft's
     # projections are int8 whatever the rows.
     linear = _linear_plan(device, dtype, arch.dtype, config, caps, quant, keep_float32=True,
-                          quantization_flag="--speculative-draft-quantization")
+                          quantization_flag=quant_flag)
     # The draft's batched forwards take the CPU decode kernel where the target's auto would,
     # and otherwise the proposer's own reference metadata (slot tables computed once per
     # round); a sliding-window draft always takes the reference's general builder.
