@@ -137,6 +137,65 @@ def test_a_rows_product_does_not_depend_on_its_batch(fmt):
         assert torch.equal(KERNELS.gemm(x[:m], w, scale), alone[:m]), m
 
 
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_panels_compute_the_scaled_product_the_same_for_every_batch_and_tile(threads):
+    """Weight-only int8 in 16-column panels (a draft's small batches): the layout round-trips,
+    the product is x @ (q * scale)^T, a row's output is bitwise the same alone or in any batch
+    of up to 20 rows (N cut inside a panel, panels left over past the groups of 4), and where
+    the CPU has AVX-512 its tiles give the AVX2 tiles' bits."""
+    has = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags()
+    before, threads_before = KERNELS.wide_tiles, torch.get_num_threads()
+    g = torch.Generator().manual_seed(45)
+    try:
+        torch.set_num_threads(threads)
+        for n, k in ((16 * 7 + 5, 72), (640, 384), (33, 24)):
+            q, scale = Int8WeightOnlyLinearMethod.quantize(torch.randn(n, k, generator=g))
+            packed = cpu_kernels.pack_panels_int8(q, scale)
+            back_q, back_scale = packed.unpack()
+            assert torch.equal(back_q, q) and torch.equal(back_scale, scale)
+            assert cpu_kernels.weight_format(packed) == cpu_kernels.PANEL_PACKED_INT8
+            x = torch.randn(20, k, generator=g)
+            ref = x.double() @ (q.double() * scale.double()[:, None]).T
+            results = {}
+            for wide in ((True, False) if has else (False,)):
+                KERNELS.set_wide_tiles(wide)
+                alone = torch.cat([KERNELS.gemm(x[i : i + 1], packed) for i in range(20)])
+                torch.testing.assert_close(alone.double(), ref, rtol=1e-5, atol=1e-4)
+                for m in range(2, 21):
+                    assert torch.equal(KERNELS.gemm(x[:m], packed), alone[:m]), (n, k, m, wide)
+                results[wide] = alone
+            if has:
+                assert torch.equal(results[True], results[False])
+        with pytest.raises(ValueError, match="carry their own scales"):
+            KERNELS.gemm(torch.randn(1, 24), cpu_kernels.pack_panels_int8(*Int8WeightOnlyLinearMethod.quantize(
+                torch.randn(4, 24))), torch.ones(4))
+        with pytest.raises(ValueError, match="int8 weight"):
+            cpu_kernels.pack_panels_int8(torch.randn(4, 8), torch.ones(4))
+    finally:
+        KERNELS.set_wide_tiles(before)
+        torch.set_num_threads(threads_before)
+
+
+@needs_kernels
+def test_an_int8_layer_with_panels_multiplies_small_batches_through_them():
+    """``Int8WeightOnlyLinearMethod(kernels, panel_packed=True)``: up to 16 rows through the
+    int8 panels (a row alone equals it in any batch of up to 16), the row-major int8 kept for
+    more rows (PyTorch's kernel there); both close to the dequantised product."""
+    w = torch.randn(40, 64)
+    layer = Linear(40, 64, False)
+    layer.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+    layer.set_method(Int8WeightOnlyLinearMethod(KERNELS, panel_packed=True))
+    assert isinstance(layer.qpanels, cpu_kernels.PanelPackedInt8Weight) and layer.qweight.dtype == torch.int8
+    deq = layer.qweight.float() * layer.scales_f32[:, None]
+    x = torch.randn(40, 64)
+    small = layer.forward(x[:16])
+    torch.testing.assert_close(small, x[:16] @ deq.T, rtol=1e-5, atol=1e-4)
+    assert torch.equal(small, KERNELS.gemm(x[:16], layer.qpanels))
+    assert torch.equal(layer.forward(x[3:4])[0], small[3])
+    torch.testing.assert_close(layer.forward(x), x @ deq.T, rtol=2e-2, atol=5e-2)  # bf16 activations past 16 rows
+
+
 def test_the_build_falls_back_with_a_reason(monkeypatch, tmp_path):
     monkeypatch.setenv("TAILSERVE_CPU_KERNELS", "0")
     assert cpu_kernels._build() == (None, "TAILSERVE_CPU_KERNELS=0")

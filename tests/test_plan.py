@@ -191,8 +191,11 @@ def test_a_default_int8_draft_says_why_and_how_to_keep_the_drafts_own_weights():
     assert reason.startswith("int8 by default for a bf16/fp16 draft on an AVX-512 CPU")
     assert "--speculative-draft-quantization none" in reason
     asked = dataclasses.replace(cfg, speculative_draft_quantization="int8")
-    assert plan_draft(asked, DRAFT_DIR, arch(), CPU, AVX2_KERNELS, torch.float32).model.linear.reason.startswith(
-        "--speculative-draft-quantization int8")
+    linear = plan_draft(asked, DRAFT_DIR, arch(), CPU, AVX2_KERNELS, torch.float32).model.linear
+    assert linear.reason.startswith("--speculative-draft-quantization int8")
+    # An int8 draft's small batches go through int8 panels wherever the kernels run it.
+    assert linear.panel_packed and "int8 panels" in linear.reason
+    assert not plan_draft(asked, DRAFT_DIR, arch(), CPU, NO_KERNELS, torch.float32).model.linear.panel_packed
 
 
 @pytest.mark.parametrize("case,cfg,a,caps,target_dtype,want", DRAFT_TABLE, ids=[t[0] for t in DRAFT_TABLE])

@@ -293,6 +293,12 @@ def test_an_int8_draft_drafts_and_greedy_output_is_the_targets(llama_checkpoint,
               speculative_draft_quantization="int8", **kw)
     assert isinstance(llm.engine.proposer.model.layers[0].self_attn.qkv_proj.method, Int8WeightOnlyLinearMethod)
     assert llm.engine.health()["plan"]["draft"]["linear"].startswith("int8-weight-only")
+    from tailserve.kernels.cpu import PanelPackedInt8Weight, kernels
+
+    if kernels() is not None:  # small batches, the fused layers and the head through int8 panels
+        draft = llm.engine.proposer.model
+        assert isinstance(draft.layers[0].self_attn.qkv_proj.qpanels, PanelPackedInt8Weight)
+        assert draft.fused_decode is not None and isinstance(draft.fused_decode.head[1], PanelPackedInt8Weight)
     assert [o.token_ids for o in llm.generate(_prompts(), GREEDY)] == ref
     assert llm.engine.spec_stats.num_accepted_tokens > 0
 

@@ -118,7 +118,8 @@ class LinearPlan:
     with native bf16/fp16 products);
     panel_packed: bf16 weights re-laid in 16-column panels, every batch through the
     outer-product kernel (a CPU without native bf16); with native_large_batches as well, every
-    batch but a prompt step's, whose native products read a row-major copy kept beside;
+    batch but a prompt step's, whose native products read a row-major copy kept beside; with
+    int8-weight-only, batches of up to 16 rows through int8 panels beside the row-major int8;
     cpu_kernels: small int8 batches through the compiled kernel."""
 
     method: str
@@ -572,6 +573,15 @@ def plan_draft(config: EngineConfig, draft_dir: pathlib.Path, arch: ModelArchCon
     # projections are int8 whatever the rows.
     linear = _linear_plan(device, dtype, arch.dtype, config, caps, quant, keep_float32=True,
                           quantization_flag=quant_flag)
+    if linear.method == "int8-weight-only" and linear.cpu_kernels and dtype == torch.float32:
+        # Up to 16 rows through int8 panels, the outer-product kernel the bf16 panels use: the
+        # row-major int8 kernel widens inside a dot product and fell behind the bf16 panels
+        # from ~4 rows (built-in draft alone on 2 Xeon cores: 0.83x a bf16 draft's time at
+        # batch 1, 1.21x at 16); through panels a 16-row product of the built-in draft's widest
+        # projection took 130 us against the rows' 234 and the bf16 panels' 132. The row-major
+        # int8 weights stay for larger batches (a catch-up's prompt rows).
+        linear = dataclasses.replace(linear, panel_packed=True, reason=linear.reason.replace(
+            "through the compiled CPU kernel", "through the compiled CPU kernel's 16-column int8 panels"))
     # The draft's batched forwards take the CPU decode kernel where the target's auto would,
     # and otherwise the proposer's own reference metadata (slot tables computed once per
     # round); a sliding-window draft always takes the reference's general builder.

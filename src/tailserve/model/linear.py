@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tailserve.errors import CheckpointFormatError
-from tailserve.kernels.cpu import pack_panels
+from tailserve.kernels.cpu import pack_panels, pack_panels_int8
 
 
 def onednn_available() -> bool:
@@ -166,9 +166,13 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
 
     SMALL_BATCH = 16  # rows up to which the compiled CPU kernel is used (float32 models)
 
-    def __init__(self, cpu_kernels=None) -> None:  # kernels.cpu.CpuKernels where the plan uses them
+    def __init__(self, cpu_kernels=None, panel_packed: bool = False) -> None:
+        # cpu_kernels: kernels.cpu.CpuKernels where the plan uses them; panel_packed: small
+        # batches through int8 panels (``pack_panels_int8``, the outer-product kernel) rather
+        # than the row-major kernel, kept beside the rows that larger batches read.
         self._kernel_ok: dict[tuple[torch.dtype, str], bool] = {}
         self.cpu_kernels = cpu_kernels
+        self.panel_packed = panel_packed
 
     @staticmethod
     def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,6 +202,8 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
         # float32 on the CPU: small batches through the compiled kernel, in float32 throughout.
         layer.scales_f32 = scales if self.cpu_kernels is not None and w.dtype == torch.float32 \
             and self.cpu_kernels.supports(layer.qweight) else None
+        layer.qpanels = pack_panels_int8(layer.qweight, scales) if self.panel_packed \
+            and layer.scales_f32 is not None else None
         # The full-precision weight goes (a tied LM head keeps the embedding, which is separate storage).
         layer.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
 
@@ -205,7 +211,9 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
         q, scales = layer.qweight, layer.scales
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if layer.scales_f32 is not None and x2.shape[0] <= self.SMALL_BATCH:
+        if layer.qpanels is not None and x2.shape[0] <= self.SMALL_BATCH:
+            y = self.cpu_kernels.gemm(x2, layer.qpanels)
+        elif layer.scales_f32 is not None and x2.shape[0] <= self.SMALL_BATCH:
             y = self.cpu_kernels.gemm(x2, q, layer.scales_f32)
         elif layer.use_int8_kernel:
             y = torch.ops.aten._weight_int8pack_mm(x2.to(scales.dtype).contiguous(), q, scales).to(x.dtype)
@@ -340,7 +348,7 @@ def build_linear_method(method: str, kernels=None, compact_dtype: torch.dtype | 
     if method == OneDNNPackedLinearMethod.name:
         return OneDNNPackedLinearMethod()
     if method == Int8WeightOnlyLinearMethod.name:
-        return Int8WeightOnlyLinearMethod(kernels)
+        return Int8WeightOnlyLinearMethod(kernels, panel_packed and kernels is not None)
     if method == CpuCompactWeightsLinearMethod.name:
         if kernels is None or compact_dtype is None:
             raise ValueError("cpu-compact-weights needs the compiled CPU kernels and the weights' compact dtype")

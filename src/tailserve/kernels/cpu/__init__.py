@@ -62,6 +62,7 @@ class StepStruct(ctypes.Structure):
 
 WEIGHT_FORMATS = {torch.bfloat16: 0, torch.float16: 1, torch.int8: 2}
 PANEL_PACKED_BF16 = 3  # tailserve_layer.fmt of PanelPackedWeight
+PANEL_PACKED_INT8 = 4  # tailserve_layer.fmt of PanelPackedInt8Weight
 PANEL_COLUMNS = 16
 
 
@@ -107,9 +108,59 @@ def pack_panels(w: torch.Tensor) -> PanelPackedWeight:
     return PanelPackedWeight(packed.view(torch.int32).view(padded // PANEL_COLUMNS, k, 8), n)
 
 
-def weight_format(w: torch.Tensor | PanelPackedWeight) -> int:
+@dataclasses.dataclass(frozen=True)
+class PanelPackedInt8Weight:
+    """Weight-only int8 weights (N, K) with their float32 column scales, re-laid for the
+    outer-product kernel (``tailserve_gemm_i8p``): panels of 16 output columns, k-major; byte
+    (p, k, j) is column 16p + j at k (zero past N). ``scales``: (ceil(N / 16) * 16,) float32,
+    zero past N, the pointer a fused layer passes beside the weight."""
+
+    data: torch.Tensor  # (ceil(N / 16), K, 16) int8
+    scales: torch.Tensor  # (ceil(N / 16) * 16,) float32
+    n: int
+
+    @property
+    def k(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.n, self.k
+
+    def data_ptr(self) -> int:
+        return self.data.data_ptr()
+
+    def unpack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (N, K) int8 weight and its (N,) scales back (the layout's check in tests)."""
+        p, k, _ = self.data.shape
+        return self.data.permute(0, 2, 1).reshape(p * PANEL_COLUMNS, k)[: self.n].contiguous(), self.scales[: self.n]
+
+
+AnyKernelWeight = torch.Tensor | PanelPackedWeight | PanelPackedInt8Weight
+
+
+def pack_panels_int8(q: torch.Tensor, scales: torch.Tensor) -> PanelPackedInt8Weight:
+    """(N, K) int8 and its (N,) float32 scales -> PanelPackedInt8Weight."""
+    if q.dtype != torch.int8 or q.dim() != 2 or scales.shape != (q.shape[0],):
+        raise ValueError(f"pack_panels_int8 takes a 2-D int8 weight and one scale a row, got {q.dtype} "
+                         f"{tuple(q.shape)} and {tuple(scales.shape)}")
+    n, k = q.shape
+    padded = -(-n // PANEL_COLUMNS) * PANEL_COLUMNS
+    s = torch.zeros(padded, dtype=torch.float32)
+    s[:n] = scales.float()
+    if padded != n:
+        q = torch.cat([q, q.new_zeros(padded - n, k)])
+    packed = q.view(padded // PANEL_COLUMNS, PANEL_COLUMNS, k).permute(0, 2, 1).contiguous()  # (P, K, 16)
+    return PanelPackedInt8Weight(packed, s, n)
+
+
+def weight_format(w: AnyKernelWeight) -> int:
     """``tailserve_layer.fmt`` of a weight the kernels take."""
-    return PANEL_PACKED_BF16 if isinstance(w, PanelPackedWeight) else WEIGHT_FORMATS[w.dtype]
+    if isinstance(w, PanelPackedWeight):
+        return PANEL_PACKED_BF16
+    if isinstance(w, PanelPackedInt8Weight):
+        return PANEL_PACKED_INT8
+    return WEIGHT_FORMATS[w.dtype]
 # The KV cache formats the decode attention reads (widened to float32 in registers).
 KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -129,6 +180,8 @@ class CpuKernels:
         self._gemm_panels = lib.tailserve_gemm_bf16p
         self._gemm_panels.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
         self._gemm_panels.restype = None
+        self._gemm_i8_panels = lib.tailserve_gemm_i8p
+        self._gemm_i8_panels.argtypes, self._gemm_i8_panels.restype = args, None
         self._panel_isa = lib.tailserve_panel_isa
         self._panel_isa.argtypes = [ctypes.c_int]
         self._panel_isa.restype = ctypes.c_int
@@ -394,18 +447,17 @@ class CpuKernels:
         return out
 
     @staticmethod
-    def supports(w: torch.Tensor | PanelPackedWeight) -> bool:
+    def supports(w: AnyKernelWeight) -> bool:
         """Whether a weight can go through these kernels (2-D, contiguous, K a multiple of 8;
         or packed in panels)."""
-        if isinstance(w, PanelPackedWeight):
+        if isinstance(w, PanelPackedWeight | PanelPackedInt8Weight):
             return True
         return (w.dim() == 2 and w.is_contiguous() and w.device.type == "cpu" and w.shape[1] % 8 == 0
                 and w.dtype in (torch.bfloat16, torch.float16, torch.int8))
 
-    def gemm(self, x: torch.Tensor, w: torch.Tensor | PanelPackedWeight,
-             scale: torch.Tensor | None = None) -> torch.Tensor:
+    def gemm(self, x: torch.Tensor, w: AnyKernelWeight, scale: torch.Tensor | None = None) -> torch.Tensor:
         """x (M, K) float32, w (N, K) compact or packed in panels, scale (N,) float32 or None
-        (not with panels) -> (M, N) float32."""
+        (not with panels: int8 panels carry their own) -> (M, N) float32."""
         x = x.contiguous()
         m, k = x.shape
         n = w.shape[0]
@@ -416,6 +468,12 @@ class CpuKernels:
             if scale is not None:
                 raise ValueError("weights packed in panels take no row scales")
             self._gemm_panels(x.data_ptr(), w.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads())
+            return y
+        if isinstance(w, PanelPackedInt8Weight):
+            if scale is not None:
+                raise ValueError("int8 weights packed in panels carry their own scales")
+            self._gemm_i8_panels(x.data_ptr(), w.data_ptr(), w.scales.data_ptr(), y.data_ptr(), m, n, k,
+                                 torch.get_num_threads())
             return y
         self._fns[w.dtype](x.data_ptr(), w.data_ptr(), 0 if scale is None else scale.data_ptr(), y.data_ptr(),
                            m, n, k, torch.get_num_threads())
