@@ -277,10 +277,27 @@ def _linear_plan(device: torch.device, dtype: torch.dtype, checkpoint_dtype: tor
     cpu = device.type == "cpu"
     kernels = cpu and config.cpu_kernels and caps.cpu_kernels
     if quantization == "int8":
-        return LinearPlan("int8-weight-only", (quantization_flag if quantization_flag.startswith("int8")
-                                               else f"{quantization_flag} int8") + (
-            "; batches of up to 16 rows through the compiled CPU kernel" if kernels and dtype == torch.float32
-            else ""), cpu_kernels=kernels)
+        why = quantization_flag if quantization_flag.startswith("int8") else f"{quantization_flag} int8"
+        if not (kernels and dtype == torch.float32):
+            return LinearPlan("int8-weight-only", why, cpu_kernels=kernels)
+        # Batches of up to 16 rows through int8 panels (the outer-product kernel the bf16
+        # panels use) beside the row-major int8 that larger batches (prompt steps) read, while
+        # that second int8 copy is small beside the machine's memory (a draft's always is).
+        # The row-major kernel widens inside a dot product and falls behind from ~4 rows: the
+        # 55M Llama of the peers table in int8 on 2 Xeon cores (AVX-512) decoded 607 / 1,188 /
+        # 1,393 tok/s at batch 1 / 4 / 16 through it and 600 / 1,617 / 2,166 through panels
+        # (bf16 panels: 495 / 1,460 / 2,053).
+        copy = weight_bytes // checkpoint_dtype.itemsize if weight_bytes else 0  # one byte a weight
+        if keep_float32 or 0 < copy <= caps.memory_bytes * PANEL_COPY_MAX_MEMORY_SHARE:
+            extra = "" if keep_float32 else (f" (at most {copy / 2**20:.0f} MiB more, within "
+                                             f"1/{round(1 / PANEL_COPY_MAX_MEMORY_SHARE)} of memory)")
+            return LinearPlan("int8-weight-only", why + "; batches of up to 16 rows through the compiled CPU "
+                              f"kernel's 16-column int8 panels beside the rows for larger ones{extra}",
+                              cpu_kernels=True, panel_packed=True)
+        return LinearPlan("int8-weight-only", why + "; batches of up to 16 rows through the compiled CPU kernel "
+                          + (f"(rows only: an int8 panel copy would take {copy / 2**20:.0f} MiB, over "
+                             f"1/{round(1 / PANEL_COPY_MAX_MEMORY_SHARE)} of memory)" if copy
+                             else "(rows only: the weights' size not given)"), cpu_kernels=True)
     # A float32 model of a bf16/fp16 checkpoint on the CPU keeps the weights in the
     # checkpoint's dtype (widening is exact: the same products, half the bytes) where the
     # compiled kernels run.
@@ -573,15 +590,6 @@ def plan_draft(config: EngineConfig, draft_dir: pathlib.Path, arch: ModelArchCon
     # projections are int8 whatever the rows.
     linear = _linear_plan(device, dtype, arch.dtype, config, caps, quant, keep_float32=True,
                           quantization_flag=quant_flag)
-    if linear.method == "int8-weight-only" and linear.cpu_kernels and dtype == torch.float32:
-        # Up to 16 rows through int8 panels, the outer-product kernel the bf16 panels use: the
-        # row-major int8 kernel widens inside a dot product and fell behind the bf16 panels
-        # from ~4 rows (built-in draft alone on 2 Xeon cores: 0.83x a bf16 draft's time at
-        # batch 1, 1.21x at 16); through panels a 16-row product of the built-in draft's widest
-        # projection took 130 us against the rows' 234 and the bf16 panels' 132. The row-major
-        # int8 weights stay for larger batches (a catch-up's prompt rows).
-        linear = dataclasses.replace(linear, panel_packed=True, reason=linear.reason.replace(
-            "through the compiled CPU kernel", "through the compiled CPU kernel's 16-column int8 panels"))
     # The draft's batched forwards take the CPU decode kernel where the target's auto would,
     # and otherwise the proposer's own reference metadata (slot tables computed once per
     # round); a sliding-window draft always takes the reference's general builder.
