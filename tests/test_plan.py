@@ -185,16 +185,10 @@ DRAFT_TABLE = [
 ]
 
 
-def test_an_int8_target_keeps_int8_panels_beside_its_rows_while_the_copy_is_small_beside_memory():
-    cfg = config(quantization="int8")
-    roomy = dataclasses.replace(AVX2_KERNELS, memory_bytes=24 << 30)
-    lp = plan_target(cfg, arch(), CPU, roomy).model.linear
-    assert lp.method == "int8-weight-only" and lp.panel_packed and "int8 panels beside the rows" in lp.reason
-    tight = dataclasses.replace(AVX2_KERNELS, memory_bytes=4 * arch().num_parameters)  # the copy: 1/4 of it
-    lp = plan_target(cfg, arch(), CPU, tight).model.linear
-    assert lp.method == "int8-weight-only" and not lp.panel_packed and "rows only" in lp.reason
-    assert not plan_target(cfg, arch(), CPU, dataclasses.replace(NO_KERNELS, memory_bytes=24 << 30)
-                           ).model.linear.panel_packed
+def test_an_int8_target_on_the_kernels_multiplies_every_batch_through_int8_panels():
+    lp = plan_target(config(quantization="int8"), arch(), CPU, AVX2_KERNELS).model.linear
+    assert lp.method == "int8-weight-only" and lp.panel_packed and "every batch" in lp.reason
+    assert not plan_target(config(quantization="int8"), arch(), CPU, NO_KERNELS).model.linear.panel_packed
 
 
 def test_a_default_int8_draft_says_why_and_how_to_keep_the_drafts_own_weights():

@@ -119,7 +119,7 @@ class LinearPlan:
     panel_packed: bf16 weights re-laid in 16-column panels, every batch through the
     outer-product kernel (a CPU without native bf16); with native_large_batches as well, every
     batch but a prompt step's, whose native products read a row-major copy kept beside; with
-    int8-weight-only, batches of up to 16 rows through int8 panels beside the row-major int8;
+    int8-weight-only, the int8 weights in 16-column panels, every batch through them;
     cpu_kernels: small int8 batches through the compiled kernel."""
 
     method: str
@@ -280,24 +280,15 @@ def _linear_plan(device: torch.device, dtype: torch.dtype, checkpoint_dtype: tor
         why = quantization_flag if quantization_flag.startswith("int8") else f"{quantization_flag} int8"
         if not (kernels and dtype == torch.float32):
             return LinearPlan("int8-weight-only", why, cpu_kernels=kernels)
-        # Batches of up to 16 rows through int8 panels (the outer-product kernel the bf16
-        # panels use) beside the row-major int8 that larger batches (prompt steps) read, while
-        # that second int8 copy is small beside the machine's memory (a draft's always is).
-        # The row-major kernel widens inside a dot product and falls behind from ~4 rows: the
-        # 55M Llama of the peers table in int8 on 2 Xeon cores (AVX-512) decoded 607 / 1,188 /
-        # 1,393 tok/s at batch 1 / 4 / 16 through it and 600 / 1,617 / 2,166 through panels
-        # (bf16 panels: 495 / 1,460 / 2,053).
-        copy = weight_bytes // checkpoint_dtype.itemsize if weight_bytes else 0  # one byte a weight
-        if keep_float32 or 0 < copy <= caps.memory_bytes * PANEL_COPY_MAX_MEMORY_SHARE:
-            extra = "" if keep_float32 else (f" (at most {copy / 2**20:.0f} MiB more, within "
-                                             f"1/{round(1 / PANEL_COPY_MAX_MEMORY_SHARE)} of memory)")
-            return LinearPlan("int8-weight-only", why + "; batches of up to 16 rows through the compiled CPU "
-                              f"kernel's 16-column int8 panels beside the rows for larger ones{extra}",
-                              cpu_kernels=True, panel_packed=True)
-        return LinearPlan("int8-weight-only", why + "; batches of up to 16 rows through the compiled CPU kernel "
-                          + (f"(rows only: an int8 panel copy would take {copy / 2**20:.0f} MiB, over "
-                             f"1/{round(1 / PANEL_COPY_MAX_MEMORY_SHARE)} of memory)" if copy
-                             else "(rows only: the weights' size not given)"), cpu_kernels=True)
+        # Every batch through int8 panels (16 columns, k-major: the outer-product kernel the
+        # bf16 panels use), prompt steps included, in place of the row-major int8: that kernel
+        # widens inside a dot product and falls behind from ~4 rows, and PyTorch's takes larger
+        # batches in bf16 at about half the panels' speed. The 55M Llama of the peers table in
+        # int8 on 2 Xeon cores (AVX-512) decoded 607 / 1,188 / 1,393 tok/s at batch 1 / 4 / 16
+        # through the rows and 600 / 1,617 / 2,166 through panels (bf16 panels: 495 / 1,460 /
+        # 2,053); 256 rows of the built-in draft's head took 1.8 ms against 4.1 ms.
+        return LinearPlan("int8-weight-only", why + "; every batch through the compiled CPU kernel's 16-column "
+                          "int8 panels", cpu_kernels=True, panel_packed=True)
     # A float32 model of a bf16/fp16 checkpoint on the CPU keeps the weights in the
     # checkpoint's dtype (widening is exact: the same products, half the bytes) where the
     # compiled kernels run.
@@ -562,7 +553,7 @@ def plan_draft(config: EngineConfig, draft_dir: pathlib.Path, arch: ModelArchCon
         # Where the CPU has AVX-512, such a draft's weights go to int8 by default (lossless: the
         # target verifies every draft): the draft reads half the bytes and evicts fewer of the
         # target's weights from the cache between its steps. Built-in pair on 2 Xeon cores
-        # (docs/benchmarks.md, sessions 42, 48 and 49, the same acceptance each time): batch 1
+        # (docs/benchmarks.md, sessions 42, 48 and 49, about the same acceptance each time): batch 1
         # greedy k = 4 1.69x -> 1.74x of off, adaptive 1.55x -> 1.64x; t = 0.8 k = 4 1.21x ->
         # 1.27x; batch 4 greedy k = 2 1.068x -> 1.081x. Not measured yet on an AVX2-only CPU,
         # which keeps the compact bf16 draft until it is.

@@ -144,9 +144,8 @@ def fuse_decode_layers(model: LlamaFamilyModel, kernels) -> int:
                 weights.append(q)
                 scales.append(None)
             elif isinstance(method, Int8WeightOnlyLinearMethod) and getattr(lin, "scales_f32", None) is not None:
-                panels = getattr(lin, "qpanels", None)  # their scales, padded, go beside them
-                weights.append(q if panels is None else panels)
-                scales.append(lin.scales_f32 if panels is None else panels.scales)
+                weights.append(q)  # row-major int8 or int8 panels, scales_f32 their scales
+                scales.append(lin.scales_f32)
             else:
                 break
         formats = {weight_format(w) for w in weights}
@@ -185,9 +184,7 @@ class FusedDecodeModel:
         # Tensor parallelism splits the head by vocabulary rows: fusion needs tp size 1 anyway.
         self.head = None
         if q is not None and head.bias is None and (compact or int8) and kernels.supports(q):
-            panels = getattr(head, "qpanels", None) if int8 else None
-            self.head = (weight_format(q), q, scales) if panels is None else \
-                (weight_format(panels), panels, panels.scales)
+            self.head = (weight_format(q), q, scales)
         self._kv: tuple[list[torch.Tensor], ctypes.Array, ctypes.Array] | None = None
 
     def _cache_pointers(self, kv_caches: list[torch.Tensor]) -> tuple[ctypes.Array, ctypes.Array]:
