@@ -120,7 +120,8 @@ class LinearPlan:
     outer-product kernel (a CPU without native bf16); with native_large_batches as well, every
     batch but a prompt step's, whose native products read a row-major copy kept beside; with
     int8-weight-only, the int8 weights in 16-column panels, every batch through them;
-    cpu_kernels: small int8 batches through the compiled kernel."""
+    cpu_kernels: int8 batches through the compiled kernel (every batch in panels, with
+    panel_packed)."""
 
     method: str
     reason: str

@@ -157,10 +157,13 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
     activations stay in the model's dtype; the product dequantises inside the kernel.
 
     Batch-1 decode reads every weight once per token, so it is bound by weight bytes: this is
-    what ``--quantization int8`` buys. The kernel is PyTorch's ``_weight_int8pack_mm``
-    (vectorised for AVX2 and AVX-512 on the CPU; bf16/fp16 on CUDA); where it does not take
-    the activations' dtype, the weight is dequantised per call (correct, not faster). The
-    cost in accuracy is measured in docs/benchmarks.md (held-out cross-entropy)."""
+    what ``--quantization int8`` buys. A float32 model on a CPU with the compiled kernels
+    multiplies through them (``panel_packed``: every batch through int8 panels; otherwise
+    batches of up to 16 rows through the row-major kernel); elsewhere the kernel is PyTorch's
+    ``_weight_int8pack_mm`` (vectorised for AVX2 and AVX-512 on the CPU; bf16/fp16 on CUDA);
+    where it does not take the activations' dtype, the weight is dequantised per call
+    (correct, not faster). The cost in accuracy is measured in docs/benchmarks.md (held-out
+    cross-entropy)."""
 
     name = "int8-weight-only"
 
@@ -383,6 +386,7 @@ class Linear(nn.Module):
         self.scales: torch.Tensor | None = None
         self.use_int8_kernel = False
         self.scales_f32: torch.Tensor | None = None  # the int8 method's scales for the compiled CPU kernel
+        self.qpanels = None  # the int8 method's weight in panels (kernels.cpu.PanelPackedInt8Weight), when it packs
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: object = None, name: str = "") -> None:
         default_weight_loader(param, loaded, shard_id, name)
