@@ -66,14 +66,10 @@ PANEL_PACKED_INT8 = 4  # tailserve_layer.fmt of PanelPackedInt8Weight
 PANEL_COLUMNS = 16
 
 
-@dataclasses.dataclass(frozen=True)
-class PanelPackedWeight:
-    """bf16 weights (N, K) re-laid for the outer-product kernel (``tailserve_gemm_bf16p``):
-    panels of 16 output columns, k-major; the 32-bit word (p, k, j) holds column 16p + j in
-    its low half and column 16p + 8 + j in its high half (zero past N). The same bytes as the
-    (N, K) bf16 tensor, N rounded up to 16."""
+class _Panels:
+    """What both panel layouts answer as a weight does: ``data`` (panels, K, ...) and ``n``."""
 
-    data: torch.Tensor  # (ceil(N / 16), K, 8) int32
+    data: torch.Tensor
     n: int
 
     @property
@@ -86,6 +82,17 @@ class PanelPackedWeight:
 
     def data_ptr(self) -> int:
         return self.data.data_ptr()
+
+
+@dataclasses.dataclass(frozen=True)
+class PanelPackedWeight(_Panels):
+    """bf16 weights (N, K) re-laid for the outer-product kernel (``tailserve_gemm_bf16p``):
+    panels of 16 output columns, k-major; the 32-bit word (p, k, j) holds column 16p + j in
+    its low half and column 16p + 8 + j in its high half (zero past N). The same bytes as the
+    (N, K) bf16 tensor, N rounded up to 16."""
+
+    data: torch.Tensor  # (ceil(N / 16), K, 8) int32
+    n: int
 
     def unpack(self) -> torch.Tensor:
         """The (N, K) bf16 weight back (the layout's check in tests)."""
@@ -109,7 +116,7 @@ def pack_panels(w: torch.Tensor) -> PanelPackedWeight:
 
 
 @dataclasses.dataclass(frozen=True)
-class PanelPackedInt8Weight:
+class PanelPackedInt8Weight(_Panels):
     """Weight-only int8 weights (N, K) with their float32 column scales, re-laid for the
     outer-product kernel (``tailserve_gemm_i8p``): panels of 16 output columns, k-major; byte
     (p, k, j) is column 16p + j at k (zero past N). ``scales``: (ceil(N / 16) * 16,) float32,
@@ -118,17 +125,6 @@ class PanelPackedInt8Weight:
     data: torch.Tensor  # (ceil(N / 16), K, 16) int8
     scales: torch.Tensor  # (ceil(N / 16) * 16,) float32
     n: int
-
-    @property
-    def k(self) -> int:
-        return self.data.shape[1]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.n, self.k
-
-    def data_ptr(self) -> int:
-        return self.data.data_ptr()
 
     def unpack(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The (N, K) int8 weight and its (N,) scales back (the layout's check in tests)."""
@@ -450,7 +446,7 @@ class CpuKernels:
     def supports(w: AnyKernelWeight) -> bool:
         """Whether a weight can go through these kernels (2-D, contiguous, K a multiple of 8;
         or packed in panels)."""
-        if isinstance(w, PanelPackedWeight | PanelPackedInt8Weight):
+        if isinstance(w, _Panels):
             return True
         return (w.dim() == 2 and w.is_contiguous() and w.device.type == "cpu" and w.shape[1] % 8 == 0
                 and w.dtype in (torch.bfloat16, torch.float16, torch.int8))
