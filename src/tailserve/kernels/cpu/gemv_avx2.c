@@ -315,45 +315,60 @@ int tailserve_panel_isa(int want) {
     return panel_isa;
 }
 
-/* y (M, N) = x (M, K) @ w^T for w packed in panels (pack_panels). Each thread takes a
- * contiguous range of panels (one linear stream of weights); within it, up to 3 rows run as
- * one tile over 4, 2 or 2 panels at once, more rows as ceil(M / 6) tiles of 4-6 rows each over
- * one panel (the panel stays in L1/L2 across the tiles). */
+/* The body of a panel product (y (M, N) = x (M, K) @ w^T, w in panels of 16 columns, STRIDE
+ * elements of WT a panel's k): each thread takes contiguous ranges of panels (one linear
+ * stream of weights) claimed from a shared counter, GROUP panels at a time; within them the
+ * rows go as ceil(M / 6) tiles of up to 6 rows (the panel stays in L1/L2 across the tiles), a
+ * panel cut by N through a scratch tile. TILE(R, np, x, pan, n0, y, ldy, pf, end) computes
+ * one tile. A macro, not a function taking its tile by pointer: stamped per tile set, the
+ * compiler keeps each loop specialised (through a pointer, 2-row int8 products ran 1.7-2x
+ * slower). */
+#define PANEL_GEMM_BODY(WT, STRIDE, GROUP, TILE)                                                          \
+    long P = (N + 15) / 16;                                                                          \
+    long tiles = (M + 5) / 6;                                                                        \
+    long chunk = claim_chunk(P, GROUP, threads);                                                     \
+    long next = 0;  /* the first panel no thread has claimed yet */                                  \
+    _Pragma("omp parallel num_threads(threads)")                                                     \
+    {                                                                                                \
+        const WT* end = wp + P * K * (STRIDE);                                                       \
+        float tmp[6 * 16 * 4];                                                                       \
+        for (;;) {                                                                                   \
+        long lo = __atomic_fetch_add(&next, chunk, __ATOMIC_RELAXED);                                \
+        if (lo >= P) break;                                                                          \
+        long hi = lo + chunk < P ? lo + chunk : P;                                                   \
+        for (long pp = lo; pp < hi;) {                                                               \
+            int np = pp + (GROUP) <= hi ? (GROUP) : 1;                                               \
+            const WT* pan = wp + pp * K * (STRIDE);                                                  \
+            long n0 = pp * 16, width = 16 * np;                                                      \
+            int full = n0 + width <= N;                                                              \
+            long m = 0;                                                                              \
+            for (long ti = 0; ti < tiles; ti++) {                                                    \
+                int R = (int)(M / tiles + (ti < M % tiles));                                         \
+                float* ym = full ? y + m * N + n0 : tmp;                                             \
+                TILE(R, np, x + m * K, pan, n0, ym, full ? N : width, m == 0, end);                  \
+                if (!full)                                                                           \
+                    for (int i = 0; i < R; i++)                                                      \
+                        for (long n = n0; n < N; n++) y[(m + i) * N + n] = tmp[i * width + n - n0];  \
+                m += R;                                                                              \
+            }                                                                                        \
+            pp += np;                                                                                \
+        }                                                                                            \
+        }                                                                                            \
+    }
+
+#define BF16_TILE(R, NP, X, PAN, N0, Y, LDY, PF, END)                                                  \
+    do {                                                                                             \
+        if (wide) panel_tile512(R, NP, X, PAN, Y, K, LDY, PF, END);                                  \
+        else panel_tile(R, NP, X, PAN, Y, K, LDY, PF, END);                                          \
+    } while (0)
+
+/* y (M, N) = x (M, K) @ w^T for w packed in panels (pack_panels): up to 3 rows as one tile over
+ * 4, 2 or 2 panels at once, more rows as tiles of 4-6 rows over one panel (AVX2) or of 3-6
+ * rows over 4 (AVX-512). */
 void tailserve_gemm_bf16p(const float* x, const uint32_t* wp, float* y, long M, long N, long K, int threads) {
-    long P = (N + 15) / 16;
     int wide = M >= 3 && tailserve_panel_isa(-1);
     int group = wide ? 4 : M == 1 ? 4 : M <= 3 ? 2 : 1;
-    long tiles = (M + 5) / 6;
-    long chunk = claim_chunk(P, group, threads);
-    long next = 0;  /* the first panel no thread has claimed yet */
-    _Pragma("omp parallel num_threads(threads)")
-    {
-        const uint32_t* end = wp + P * K * 8;
-        float tmp[6 * 16 * 4];
-        for (;;) {
-        long lo = __atomic_fetch_add(&next, chunk, __ATOMIC_RELAXED);
-        if (lo >= P) break;
-        long hi = lo + chunk < P ? lo + chunk : P;
-        for (long pp = lo; pp < hi;) {
-            int np = pp + group <= hi ? group : 1;
-            const uint32_t* pan = wp + pp * K * 8;
-            long n0 = pp * 16, width = 16 * np;
-            int full = n0 + width <= N;
-            long m = 0;
-            for (long ti = 0; ti < tiles; ti++) {
-                int R = (int)(M / tiles + (ti < M % tiles));
-                float* ym = full ? y + m * N + n0 : tmp;
-                if (wide) panel_tile512(R, np, x + m * K, pan, ym, K, full ? N : width, m == 0, end);
-                else panel_tile(R, np, x + m * K, pan, ym, K, full ? N : width, m == 0, end);
-                if (!full)
-                    for (int i = 0; i < R; i++)
-                        for (long n = n0; n < N; n++) y[(m + i) * N + n] = tmp[i * width + n - n0];
-                m += R;
-            }
-            pp += np;
-        }
-        }
-    }
+    PANEL_GEMM_BODY(uint32_t, 8, group, BF16_TILE)
 }
 
 /* -- int8 weights packed in column panels: the same outer-product kernel ---------------------
@@ -458,47 +473,21 @@ static TS_AVX512 void i8panel_tile512(int R, int NP, const float* x, const int8_
     }
 }
 
+#define I8_TILE(R, NP, X, PAN, N0, Y, LDY, PF, END)                                                    \
+    do {                                                                                             \
+        if (wide) i8panel_tile512(R, NP, X, PAN, s + (N0), Y, K, LDY, PF, END);                      \
+        else i8panel_tile(R, NP, X, PAN, s + (N0), Y, K, LDY, PF, END);                              \
+    } while (0)
+
 /* y (M, N) = (x (M, K) @ w^T) * s for w packed in int8 panels (pack_panels_int8) and s its
- * column scales, padded with zeros to whole panels. The work is laid out as the bf16 panels'
- * (tailserve_gemm_bf16p): contiguous ranges of panels per thread, up to 2 rows as one tile
- * over 4 or 2 panels, more rows as ceil(M / 6) tiles of 3-6 rows over 1 (AVX2) or 4 (AVX-512)
- * panels. */
+ * column scales, padded with zeros to whole panels: laid out as the bf16 panels' products, up
+ * to 2 rows as one tile over 4 or 2 panels, more rows as tiles of 3-6 rows over 1 (AVX2) or 4
+ * (AVX-512) panels. */
 void tailserve_gemm_i8p(const float* x, const int8_t* wp, const float* s, float* y, long M, long N, long K,
                         int threads) {
-    long P = (N + 15) / 16;
     int wide = M >= 3 && tailserve_panel_isa(-1);
     int group = wide ? 4 : M == 1 ? 4 : M == 2 ? 2 : 1;
-    long tiles = (M + 5) / 6;
-    long chunk = claim_chunk(P, group, threads);
-    long next = 0;
-    _Pragma("omp parallel num_threads(threads)")
-    {
-        const int8_t* end = wp + P * K * 16;
-        float tmp[6 * 16 * 4];
-        for (;;) {
-        long lo = __atomic_fetch_add(&next, chunk, __ATOMIC_RELAXED);
-        if (lo >= P) break;
-        long hi = lo + chunk < P ? lo + chunk : P;
-        for (long pp = lo; pp < hi;) {
-            int np = pp + group <= hi ? group : 1;
-            const int8_t* pan = wp + pp * K * 16;
-            long n0 = pp * 16, width = 16 * np;
-            int full = n0 + width <= N;
-            long m = 0;
-            for (long ti = 0; ti < tiles; ti++) {
-                int R = (int)(M / tiles + (ti < M % tiles));
-                float* ym = full ? y + m * N + n0 : tmp;
-                if (wide) i8panel_tile512(R, np, x + m * K, pan, s + n0, ym, K, full ? N : width, m == 0, end);
-                else i8panel_tile(R, np, x + m * K, pan, s + n0, ym, K, full ? N : width, m == 0, end);
-                if (!full)
-                    for (int i = 0; i < R; i++)
-                        for (long n = n0; n < N; n++) y[(m + i) * N + n] = tmp[i * width + n - n0];
-                m += R;
-            }
-            pp += np;
-        }
-        }
-    }
+    PANEL_GEMM_BODY(int8_t, 16, group, I8_TILE)
 }
 
 /* -- the small per-layer operations of a decode step, fused --------------------------------
