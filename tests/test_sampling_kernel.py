@@ -164,3 +164,25 @@ def test_top2_margin_is_the_argmax_and_the_softmax_gap():
     tied = torch.zeros(2, 10)
     tied[0, 3] = tied[0, 5] = 1.0
     assert K.top2_margin(tied) == ([3, 0], [0.0, 0.0])
+
+
+def test_top2_margin_edge_rows_follow_argmax():
+    """The vector passes against argmax's rule where it is easy to get wrong: the maximum in
+    the tail past the last full vector, tied in and across vectors, a row of -inf, a NaN
+    (argmax counts it largest: the margin is then 0), the second value tied with the first."""
+    v = 4099
+    x = torch.randn(8, v, generator=torch.Generator().manual_seed(5))
+    x[0, v - 1] = 40.0  # the last token, in the tail
+    x[1, 17] = x[1, 4000] = 40.0  # a tie across vectors: the first
+    x[2, 8] = x[2, 9] = 40.0  # a tie in one vector
+    x[3] = float("-inf")
+    x[4, 123] = float("nan")
+    x[5, 0] = float("nan")
+    x[5, 7] = float("nan")
+    x[6, 4097] = 40.0
+    x[6, 4098] = 39.0  # the second in the tail too
+    top, margin = K.top2_margin(x)
+    assert top == x.argmax(-1).tolist()
+    assert margin[1] == margin[2] == 0.0 and margin[4] == margin[5] == 0.0
+    probs = torch.softmax(x[6].double(), -1).topk(2).values
+    assert margin[6] == pytest.approx(float(probs[0] - probs[1]), abs=1e-6)
