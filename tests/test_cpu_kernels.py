@@ -177,6 +177,79 @@ def test_int8_panels_compute_the_scaled_product_the_same_for_every_batch_and_til
         torch.set_num_threads(threads_before)
 
 
+def w8a8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The W8A8 products' definition (kernels.cpu ``tailserve_gemm_w8a8p``): each row of x
+    quantised by 127 / max|row| (round half to even, in [-127, 127]), the int8 products summed
+    exactly, then times the row's max|row| / 127 and the column's scale, in float32."""
+    amax = x.abs().amax(1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    xq = torch.round(x * inv[:, None]).clamp(-127, 127).to(torch.int64)
+    acc = xq @ q.to(torch.int64).T  # exact
+    return (acc.float() * (amax / 127.0)[:, None]) * scale[None, :]
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 2])
+def test_w8a8_panels_are_the_quantised_product_bitwise_for_every_batch_and_tile(threads):
+    """int8 weights and per-row int8 activations (a draft's products): the layout round-trips
+    (K padded to 4, column sums after the panels), every output is bitwise the definition's
+    (``w8a8_reference``), for 1-20 rows and past the parallel threshold, N cut inside a panel,
+    K not a multiple of 4 or 8, a row of zeros; so a row alone equals it in any batch, and the
+    AVX-512 VNNI tiles give the AVX2 tiles' bits."""
+    has = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags()
+    before, threads_before = KERNELS.wide_tiles, torch.get_num_threads()
+    g = torch.Generator().manual_seed(46)
+    try:
+        torch.set_num_threads(threads)
+        for n, k, m in ((16 * 7 + 5, 72, 20), (4096, 256, 5), (33, 37, 9), (1300, 640, 3)):
+            q, scale = Int8WeightOnlyLinearMethod.quantize(torch.randn(n, k, generator=g))
+            packed = cpu_kernels.pack_panels_w8a8(q, scale)
+            back_q, back_scale = packed.unpack()
+            assert torch.equal(back_q, q) and torch.equal(back_scale, scale) and packed.shape == (n, k)
+            assert torch.equal(packed.column_sums()[:n], q.sum(1, dtype=torch.int32))
+            assert cpu_kernels.weight_format(packed) == cpu_kernels.PANEL_PACKED_W8A8
+            x = torch.randn(m, k, generator=g) * 4
+            x[1 % m] = 0.0
+            want = w8a8_reference(x, q, scale)
+            for wide in ((True, False) if has else (False,)):
+                KERNELS.set_wide_tiles(wide)
+                assert torch.equal(KERNELS.gemm(x, packed), want), (n, k, wide)
+                for i in (0, m - 1):
+                    assert torch.equal(KERNELS.gemm(x[i : i + 1], packed)[0], want[i])
+        with pytest.raises(ValueError, match="carry their own scales"):
+            KERNELS.gemm(torch.randn(1, k), packed, torch.ones(n))
+        with pytest.raises(ValueError, match=r"\[-127, 127\]"):
+            cpu_kernels.pack_panels_w8a8(torch.full((4, 8), -128, dtype=torch.int8), torch.ones(4))
+    finally:
+        KERNELS.set_wide_tiles(before)
+        torch.set_num_threads(threads_before)
+
+
+@needs_kernels
+def test_a_w8a8_layer_quantises_its_activations_per_row():
+    """``Int8DynamicActivationLinearMethod`` on a float32 layer: int8 panels for the W8A8
+    kernel are its only copy; its output is the definition's for any batch, a row alone
+    included, and stays close to the weight-only product (the activations' rounding)."""
+    from tailserve.model.linear import Int8DynamicActivationLinearMethod
+
+    g = torch.Generator().manual_seed(47)
+    w, b = torch.randn(40, 64, generator=g), torch.randn(40, generator=g)
+    layer = Linear(40, 64, True)
+    layer.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+    layer.bias = torch.nn.Parameter(b.clone(), requires_grad=False)
+    layer.set_method(Int8DynamicActivationLinearMethod(KERNELS))
+    assert isinstance(layer.qweight, cpu_kernels.PanelPackedW8A8Weight) and layer.weight.device.type == "meta"
+    q, scale = Int8WeightOnlyLinearMethod.quantize(w)
+    x = torch.randn(200, 64, generator=g)
+    full = layer.forward(x)
+    assert torch.equal(full, w8a8_reference(x, q, scale) + b)
+    assert torch.equal(layer.forward(x[7:8])[0], full[7])
+    weight_only = F.linear(x, q.float() * scale[:, None], b)
+    assert float((full - weight_only).norm() / weight_only.norm()) < 0.01  # ~1/254 of a row's range per input
+    with pytest.raises(ValueError, match="compiled CPU kernels"):
+        Int8DynamicActivationLinearMethod(None)
+
+
 @needs_kernels
 def test_an_int8_layer_in_panels_multiplies_every_batch_through_them():
     """``Int8WeightOnlyLinearMethod(kernels, panel_packed=True)`` on a float32 layer: the panels

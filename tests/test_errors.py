@@ -177,6 +177,8 @@ def test_bad_sampling_params(kwargs, param):
     dict(speculative_method="ngram", speculative_draft_quantization="int8"),
     dict(speculative_method="ngram", speculative_draft_quantization="none"),
     dict(speculative_model="builtin", speculative_draft_quantization="int8", speculative_draft_numpy=True),
+    dict(speculative_model="builtin", speculative_draft_quantization="w8a8_int8", speculative_draft_numpy=True),
+    dict(speculative_model="builtin", speculative_draft_quantization="w8a8_int8", speculative_draft_dtype="bfloat16"),
 ])
 def test_bad_engine_config(llama_checkpoint, kwargs):
     path, _ = llama_checkpoint

@@ -159,11 +159,17 @@ DRAFT_TABLE = [
     ("small int8 draft: no NumPy chain", config(speculative_method="draft_model", speculative_model="builtin",
                                                 speculative_draft_quantization="int8"), SMALL_F32, AVX2_KERNELS,
      torch.float32, (torch.float32, "int8-weight-only", False, "cpu-decode", "batched")),
-    ("bf16 draft, AVX-512 kernels: int8 by default", config(speculative_method="draft_model",
-                                                            speculative_model="builtin"), arch(), AVX512_KERNELS,
-     torch.float32, (torch.float32, "int8-weight-only", False, "cpu-decode", "batched")),
-    ("hybrid, bf16 draft, AVX-512 kernels: int8 by default", config(speculative_method="hybrid",
-                                                                    speculative_model="builtin"), arch(),
+    ("bf16 draft, AVX-512 kernels: w8a8_int8 by default", config(speculative_method="draft_model",
+                                                                 speculative_model="builtin"), arch(), AVX512_KERNELS,
+     torch.float32, (torch.float32, "int8-w8a8", False, "cpu-decode", "batched")),
+    ("hybrid, bf16 draft, AVX-512 kernels: w8a8_int8 by default", config(speculative_method="hybrid",
+                                                                         speculative_model="builtin"), arch(),
+     AVX512_KERNELS, torch.float32, (torch.float32, "int8-w8a8", False, "cpu-decode", "batched")),
+    ("w8a8_int8 draft, AVX2 kernels", config(speculative_method="draft_model", speculative_model="builtin",
+                                             speculative_draft_quantization="w8a8_int8"), arch(), AVX2_KERNELS,
+     torch.float32, (torch.float32, "int8-w8a8", False, "cpu-decode", "batched")),
+    ("AVX-512, --speculative-draft-quantization int8: weight-only", config(
+        speculative_method="draft_model", speculative_model="builtin", speculative_draft_quantization="int8"), arch(),
      AVX512_KERNELS, torch.float32, (torch.float32, "int8-weight-only", False, "cpu-decode", "batched")),
     ("AVX-512, --speculative-draft-quantization none", config(speculative_method="draft_model",
                                                               speculative_model="builtin",
@@ -193,15 +199,26 @@ def test_an_int8_target_on_the_kernels_multiplies_every_batch_through_int8_panel
 
 def test_a_default_int8_draft_says_why_and_how_to_keep_the_drafts_own_weights():
     cfg = config(speculative_method="draft_model", speculative_model="builtin")
-    reason = plan_draft(cfg, DRAFT_DIR, arch(), CPU, AVX512_KERNELS, torch.float32).model.linear.reason
-    assert reason.startswith("int8 by default for a bf16/fp16 draft on an AVX-512 CPU")
-    assert "--speculative-draft-quantization none" in reason
+    linear = plan_draft(cfg, DRAFT_DIR, arch(), CPU, AVX512_KERNELS, torch.float32).model.linear
+    assert linear.reason.startswith("w8a8_int8 by default for a bf16/fp16 draft on an AVX-512 CPU")
+    assert "--speculative-draft-quantization int8: weight-only; none: the draft's own weights" in linear.reason
+    assert linear.method == "int8-w8a8" and "int8 activations quantised per row" in linear.reason
     asked = dataclasses.replace(cfg, speculative_draft_quantization="int8")
     linear = plan_draft(asked, DRAFT_DIR, arch(), CPU, AVX2_KERNELS, torch.float32).model.linear
     assert linear.reason.startswith("--speculative-draft-quantization int8")
     # An int8 draft's small batches go through int8 panels wherever the kernels run it.
     assert linear.panel_packed and "int8 panels" in linear.reason
     assert not plan_draft(asked, DRAFT_DIR, arch(), CPU, NO_KERNELS, torch.float32).model.linear.panel_packed
+
+
+def test_a_w8a8_draft_without_the_compiled_kernels_is_refused_with_the_reason():
+    cfg = config(speculative_method="draft_model", speculative_model="builtin",
+                 speculative_draft_quantization="w8a8_int8")
+    with pytest.raises(ConfigError, match="w8a8_int8 runs in the compiled CPU kernels"):
+        plan_draft(cfg, DRAFT_DIR, arch(), CPU, NO_KERNELS, torch.float32)
+    with pytest.raises(ConfigError, match="float32 model"):
+        plan_draft(dataclasses.replace(cfg, speculative_draft_dtype="bfloat16"), DRAFT_DIR, arch(), CPU,
+                   AVX512_KERNELS, torch.float32)
 
 
 @pytest.mark.parametrize("case,cfg,a,caps,target_dtype,want", DRAFT_TABLE, ids=[t[0] for t in DRAFT_TABLE])

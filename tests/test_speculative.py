@@ -303,6 +303,35 @@ def test_an_int8_draft_drafts_and_greedy_output_is_the_targets(llama_checkpoint,
     assert llm.engine.spec_stats.num_accepted_tokens > 0
 
 
+def test_a_w8a8_draft_drafts_and_greedy_output_is_the_targets(llama_checkpoint, draft_checkpoint):
+    """--speculative-draft-quantization w8a8_int8: int8 weights and per-row int8 activations
+    in the draft's every product (its layers, fused, and its head), the plan says so, and
+    greedy output stays the target's while drafts get accepted. Refused without the kernels."""
+    from tailserve.errors import ConfigError
+    from tailserve.kernels.cpu import PanelPackedW8A8Weight, kernels
+    from tailserve.model.linear import Int8DynamicActivationLinearMethod
+
+    path, _ = llama_checkpoint
+    kw = dict(dtype="float32", kv_cache_memory_bytes=4 << 20)
+    spec = dict(speculative_model=str(draft_checkpoint), num_speculative_tokens=3,
+                speculative_draft_quantization="w8a8_int8")
+    if kernels() is None:
+        with pytest.raises(ConfigError, match="compiled CPU kernels"):
+            LLM(str(path), **spec, **kw)
+        return
+    ref = [o.token_ids for o in LLM(str(path), **kw).generate(_prompts(), GREEDY)]
+    llm = LLM(str(path), **spec, **kw)
+    draft = llm.engine.proposer.model
+    assert isinstance(draft.layers[0].self_attn.qkv_proj.method, Int8DynamicActivationLinearMethod)
+    assert isinstance(draft.layers[0].mlp.down_proj.qweight, PanelPackedW8A8Weight)
+    assert llm.engine.health()["plan"]["draft"]["linear"].startswith("int8-w8a8")
+    assert draft.fused_decode is not None and isinstance(draft.fused_decode.head[1], PanelPackedW8A8Weight)
+    assert [o.token_ids for o in llm.generate(_prompts(), GREEDY)] == ref
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
+    with pytest.raises(ConfigError, match="needs device cpu"):
+        LLM(str(path), device="cuda", **spec, **kw)
+
+
 @pytest.mark.parametrize("kind", ["llama", "llama_tied", "llama_biases", "qwen2", "qwen3", "llama_rope_llama3"])
 def test_numpy_draft_step_matches_pytorch(llama_checkpoint, tmp_path, kind):
     """The NumPy chain step (one sequence) gives the PyTorch path's logits and writes the same
@@ -430,11 +459,11 @@ def test_draft_chain_through_the_cpu_decode_kernel_matches_the_reference(llama_c
 
 def test_builtin_bf16_draft_runs_on_compact_weights_and_stays_exact(llm_builtin_spec, engine_cache):
     """The built-in pair (bf16 checkpoints) on the CPU: the draft runs in float32 through the
-    compiled kernels, not in NumPy, over its compact bf16 weights (int8 ones by default on an
-    AVX-512 CPU); greedy output equals the target's alone at batch 1 and 4, and sampled output
+    compiled kernels, not in NumPy, over its compact bf16 weights (int8 weights and activations by
+    default on an AVX-512 CPU); greedy output equals the target's alone at batch 1 and 4, and sampled output
     keeps a seeded request's tokens whatever shares its batch."""
     from tailserve.kernels.cpu import kernels
-    from tailserve.model.linear import CpuCompactWeightsLinearMethod, Int8WeightOnlyLinearMethod
+    from tailserve.model.linear import CpuCompactWeightsLinearMethod, Int8DynamicActivationLinearMethod
     from tailserve.platform_info import cpu_flags
 
     if kernels() is None:
@@ -442,7 +471,7 @@ def test_builtin_bf16_draft_runs_on_compact_weights_and_stays_exact(llm_builtin_
     spec = llm_builtin_spec
     prop = spec.engine.proposer
     assert prop.numpy_step is None and prop.model.embed_tokens.dtype == torch.float32
-    want = Int8WeightOnlyLinearMethod if "avx512f" in cpu_flags() else CpuCompactWeightsLinearMethod
+    want = Int8DynamicActivationLinearMethod if "avx512f" in cpu_flags() else CpuCompactWeightsLinearMethod
     assert isinstance(spec.engine.core.worker.draft_linear_method, want)
     base = engine_cache()
     prompts = ["def add(a, b):", "class Stack:\n", "import os\n", "for i in range("]

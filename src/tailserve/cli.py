@@ -18,6 +18,7 @@ from tailserve.config import (
     DEFAULT_ADMISSION_RESERVE_TOKENS,
     DEFAULT_KV_CACHE_MEMORY_BYTES,
     DEFAULT_TOOL_CALL_KV_TTL_S,
+    DRAFT_QUANTIZATIONS,
     KV_CACHE_DTYPES,
     parse_bytes,
 )
@@ -100,8 +101,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-max-tokens", type=int, default=8, help="upper bound for adaptive k")
     s.add_argument("--speculative-draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="the draft model's dtype (auto: the target's)")
-    s.add_argument("--speculative-draft-quantization", default=None, choices=["int8", "none"],
-                   help="weight-only int8 for the draft model (lossless: only acceptance can change); "
+    s.add_argument("--speculative-draft-quantization", default=None, choices=list(DRAFT_QUANTIZATIONS),
+                   help="int8 for the draft model (lossless: only acceptance can change): int8 weight-only, "
+                        "w8a8_int8 int8 weights and per-row int8 activations (CPU, compiled kernels); "
                         "default: int8 for a bf16/fp16 draft on an AVX-512 CPU, none elsewhere")
     s.add_argument("--speculative-draft-numpy", action=argparse.BooleanOptionalAction, default=None,
                    help="run a single sequence's draft steps in NumPy on the CPU (float32 draft); "

@@ -235,6 +235,10 @@ def parse_histogram_buckets(text: str) -> tuple[tuple[str, tuple[float, ...]], .
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
+# --speculative-draft-quantization: weight-only int8, int8 weights and activations, or the draft's own.
+DRAFT_QUANTIZATIONS = ("int8", "w8a8_int8", "none")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -295,12 +299,14 @@ class EngineConfig:
     # checkpoint's compact weights; else the target's. Any dtype keeps decoding lossless: only
     # acceptance depends on q.
     speculative_draft_dtype: str = "auto"
-    # Weight-only int8 for the draft model's projections (vLLM: the speculative config's
-    # "quantization"). Lossless like any draft (only acceptance depends on q). On a CPU a draft
-    # step then reads half its bf16 bytes, and the draft pushes fewer of the target's weights
-    # out of the cache between target steps (docs/speculative.md, "Against the analytical limit").
-    # None: int8 where the plan finds it measured faster (a bf16/fp16 draft on an AVX-512 CPU
-    # with the compiled kernels, ``plan_draft``), else the draft's own weights; "none": never.
+    # int8 for the draft model's projections (vLLM: the speculative config's "quantization"):
+    # "int8" weight-only; "w8a8_int8" (SGLang's name) int8 weights and int8 activations,
+    # quantised per row inside the compiled CPU kernels' products (CPU only). Lossless like any
+    # draft (only acceptance depends on q). On a CPU a draft step then reads half its bf16
+    # bytes, and the draft pushes fewer of the target's weights out of the cache between target
+    # steps (docs/speculative.md, "Against the analytical limit"); w8a8_int8 also drops the
+    # widening of every weight. None: what the plan finds measured faster (``plan_draft``), else
+    # the draft's own weights; "none": never.
     speculative_draft_quantization: str | None = None
     # Run a single sequence's draft-chain steps in NumPy (CPU, float32 draft, no sliding
     # window; see speculative/numpy_draft.py). None: when possible, the draft is small (up to
@@ -489,16 +495,19 @@ class EngineConfig:
                               f"got {self.speculative_draft_numpy!r}")
         if self.speculative_draft_numpy and not self.device == "cpu":
             raise ConfigError("speculative_draft_numpy runs the draft in NumPy, which needs device cpu")
-        if self.speculative_draft_quantization not in (None, "int8", "none"):
-            raise ConfigError("speculative_draft_quantization must be int8, none or unset, "
+        if self.speculative_draft_quantization not in (None, *DRAFT_QUANTIZATIONS):
+            raise ConfigError(f"speculative_draft_quantization must be {', '.join(DRAFT_QUANTIZATIONS)} or unset, "
                               f"got {self.speculative_draft_quantization!r}")
+        if self.speculative_draft_quantization == "w8a8_int8" and self.device != "cpu":
+            raise ConfigError("speculative_draft_quantization w8a8_int8 runs in the compiled CPU kernels: it needs "
+                              f"device cpu (got {self.device!r}; int8 is weight-only int8 on any device)")
         if self.speculative_draft_quantization is not None:
             if method not in ("draft_model", "hybrid"):
                 raise ConfigError("speculative_draft_quantization sets a draft model's weights: it needs "
                                   "speculative_model (speculative_method draft_model or hybrid)")
-            if self.speculative_draft_numpy and self.speculative_draft_quantization == "int8":
+            if self.speculative_draft_numpy and self.speculative_draft_quantization in ("int8", "w8a8_int8"):
                 raise ConfigError("speculative_draft_numpy runs float32 weights in NumPy: it cannot take "
-                                  "speculative_draft_quantization int8")
+                                  f"speculative_draft_quantization {self.speculative_draft_quantization}")
         if self.speculative_draft_numpy and self.speculative_draft_dtype not in ("auto", "float32"):
             raise ConfigError("speculative_draft_numpy needs a float32 draft "
                               f"(speculative_draft_dtype is {self.speculative_draft_dtype!r})")

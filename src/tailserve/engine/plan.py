@@ -111,7 +111,7 @@ def _physical_memory_bytes() -> int:
 class LinearPlan:
     """How every projection of one model multiplies (``model.linear.build_linear_method``).
 
-    method: "plain" | "onednn-packed" | "cpu-compact-weights" | "int8-weight-only";
+    method: "plain" | "onednn-packed" | "cpu-compact-weights" | "int8-weight-only" | "int8-w8a8";
     compact_dtype: the checkpoint dtype compact weights stay in (cpu-compact-weights);
     keep_float32: also keep the float32 weights for batches above the kernel's rows;
     native_large_batches: batches above the kernel's rows multiply in the compact dtype (a CPU
@@ -274,9 +274,16 @@ def _linear_plan(device: torch.device, dtype: torch.dtype, checkpoint_dtype: tor
                  weight_bytes: int = 0, quantization_flag: str = "--quantization") -> LinearPlan:
     """``weight_bytes``: the checkpoint's weights in its own dtype (what a second copy costs);
     ``quantization_flag``: the option that asked for ``quantization`` (for the reason), or the
-    reason itself where the plan chose int8 (it then starts with "int8")."""
+    reason itself where the plan chose int8 (it then starts with "int8" or "w8a8")."""
     cpu = device.type == "cpu"
     kernels = cpu and config.cpu_kernels and caps.cpu_kernels
+    if quantization == "w8a8_int8":  # a draft's (plan_draft): int8 weights and activations
+        why = quantization_flag if quantization_flag.startswith("w8a8") else f"{quantization_flag} w8a8_int8"
+        if not (kernels and dtype == torch.float32):
+            raise ConfigError(f"{why}: the W8A8 products run in the compiled CPU kernels on a float32 model "
+                              f"(this one: {_name(dtype)} on {device.type}, kernels {'on' if kernels else 'off'})")
+        return LinearPlan("int8-w8a8", why + "; int8 activations quantised per row, the products summed in int32 "
+                          "(the compiled CPU kernels' W8A8 panels)", cpu_kernels=True, panel_packed=True)
     if quantization == "int8":
         why = quantization_flag if quantization_flag.startswith("int8") else f"{quantization_flag} int8"
         if not (kernels and dtype == torch.float32):
@@ -527,8 +534,9 @@ def plan_kv_cache_dtype(config: EngineConfig, model: ModelPlan,
 
 
 # The reason a draft plan gives for int8 weights nobody asked for (``plan_draft``).
-DEFAULT_INT8_DRAFT_REASON = ("int8 by default for a bf16/fp16 draft on an AVX-512 CPU, where it was measured "
-                             "faster (--speculative-draft-quantization none keeps the draft's own weights)")
+DEFAULT_INT8_DRAFT_REASON = ("w8a8_int8 by default for a bf16/fp16 draft on an AVX-512 CPU, where it was "
+                             "measured faster (--speculative-draft-quantization int8: weight-only; none: the "
+                             "draft's own weights)")
 
 
 def uses_draft_model(config: EngineConfig) -> bool:
@@ -551,14 +559,16 @@ def plan_draft(config: EngineConfig, draft_dir: pathlib.Path, arch: ModelArchCon
         quant = None
     elif quant is None and kernels and half and float_draft and not config.speculative_draft_numpy \
             and "avx512f" in caps.cpu_flags:
-        # Where the CPU has AVX-512, such a draft's weights go to int8 by default (lossless: the
-        # target verifies every draft): the draft reads half the bytes and evicts fewer of the
-        # target's weights from the cache between its steps. Built-in pair on 2 Xeon cores
-        # (docs/benchmarks.md, sessions 42, 48 and 49, about the same acceptance each time): batch 1
-        # greedy k = 4 1.69x -> 1.74x of off, adaptive 1.55x -> 1.64x; t = 0.8 k = 4 1.21x ->
-        # 1.27x; batch 4 greedy k = 2 1.068x -> 1.081x. Not measured yet on an AVX2-only CPU,
-        # which keeps the compact bf16 draft until it is.
-        quant, quant_flag = "int8", DEFAULT_INT8_DRAFT_REASON
+        # Where the CPU has AVX-512, such a draft's weights go to int8 by default, and its
+        # activations too, per row inside each product (lossless: the target verifies every
+        # draft): the draft reads half the bytes, evicts fewer of the target's weights from the
+        # cache between its steps, and multiplies without widening its weights. Built-in pair on
+        # 2 Xeon cores (docs/benchmarks.md, sessions 42 and 48-50, about the same acceptance each
+        # time): batch 1 greedy k = 4 1.69x of off (bf16) -> 1.74x (int8) -> 1.91x (w8a8_int8),
+        # adaptive 1.55x -> 1.64x -> 1.80x; t = 0.8 k = 4 1.21x -> 1.27x -> 1.38x; batch 4
+        # greedy k = 2 1.068x -> 1.081x -> 1.090x. Not measured yet on an AVX2-only CPU, which
+        # keeps the compact bf16 draft until it is.
+        quant, quant_flag = "w8a8_int8", DEFAULT_INT8_DRAFT_REASON
     compact = kernels and half and float_draft and quant is None
     numpy_step = config.speculative_draft_numpy
     if numpy_step is None:
@@ -573,7 +583,10 @@ def plan_draft(config: EngineConfig, draft_dir: pathlib.Path, arch: ModelArchCon
         dtype = torch.float32
         why = "float32 for the NumPy chain step" if numpy_step else \
             f"float32 over compact {_name(arch.dtype)} weights (compiled kernels)"
-    elif quant == "int8" and kernels:
+    elif quant == "w8a8_int8" and not kernels:
+        raise ConfigError("--speculative-draft-quantization w8a8_int8 runs in the compiled CPU kernels, which this "
+                          f"engine does not use ({_kernels_off(config, caps)})")
+    elif quant in ("int8", "w8a8_int8") and kernels:
         dtype, why = torch.float32, "float32 over int8 weights (compiled kernels)"
     else:
         dtype, why = target_dtype, "the target's dtype"

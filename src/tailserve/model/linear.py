@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tailserve.errors import CheckpointFormatError
-from tailserve.kernels.cpu import pack_panels, pack_panels_int8
+from tailserve.kernels.cpu import pack_panels, pack_panels_int8, pack_panels_w8a8
 
 
 def onednn_available() -> bool:
@@ -236,6 +236,37 @@ class Int8WeightOnlyLinearMethod(LinearMethod):
         return y.view(*shape[:-1], y.shape[-1])
 
 
+class Int8DynamicActivationLinearMethod(Int8WeightOnlyLinearMethod):
+    """int8 weights (as ``Int8WeightOnlyLinearMethod`` quantises them) and int8 activations,
+    quantised per row on the way into each product, the products summed exactly in int32
+    (``kernels.cpu.tailserve_gemm_w8a8p``: AVX-512 VNNI, else AVX2, the same bits; SGLang calls
+    the scheme ``w8a8_int8``). For a draft model only: the activations lose ~7 bits, which the
+    target's verification makes harmless (lossless as any draft; the built-in draft's
+    acceptance moved by under a point), and the widening the weight-only panels spend is gone:
+    the built-in draft's 4,096 x 256 head took 8.9 us for one row against 29.8 us through the
+    weight-only panels (2 Xeon cores, AVX-512 VNNI; AVX2 tiles 13.9 us), 256 rows 0.67 ms
+    against 1.79 ms. Needs the compiled CPU kernels and a float32 model."""
+
+    name = "int8-w8a8"
+
+    def __init__(self, cpu_kernels) -> None:
+        if cpu_kernels is None:
+            raise ValueError("int8-w8a8 needs the compiled CPU kernels")
+        super().__init__(cpu_kernels, panel_packed=True)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        w = layer.weight
+        if w.dtype != torch.float32 or w.device.type != "cpu":
+            raise ValueError(f"int8-w8a8 takes a float32 CPU model, got {w.dtype} on {w.device.type}")
+        q, scales = self.quantize(w.detach())
+        layer.use_int8_kernel = False
+        layer.scales = scales
+        # The packed panels are the weight; their padded scales are what a fused layer passes.
+        layer.qweight = layer.qpanels = pack_panels_w8a8(q, scales)
+        layer.scales_f32 = layer.qpanels.scales
+        layer.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+
+
 def native_rows(m: int) -> int:
     """The rows a native (oneDNN) product of ``m`` prompt rows is padded to with zero rows.
 
@@ -361,6 +392,8 @@ def build_linear_method(method: str, kernels=None, compact_dtype: torch.dtype | 
         return OneDNNPackedLinearMethod()
     if method == Int8WeightOnlyLinearMethod.name:
         return Int8WeightOnlyLinearMethod(kernels, panel_packed and kernels is not None)
+    if method == Int8DynamicActivationLinearMethod.name:
+        return Int8DynamicActivationLinearMethod(kernels)
     if method == CpuCompactWeightsLinearMethod.name:
         if kernels is None or compact_dtype is None:
             raise ValueError("cpu-compact-weights needs the compiled CPU kernels and the weights' compact dtype")

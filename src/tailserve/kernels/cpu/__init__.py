@@ -63,6 +63,7 @@ class StepStruct(ctypes.Structure):
 WEIGHT_FORMATS = {torch.bfloat16: 0, torch.float16: 1, torch.int8: 2}
 PANEL_PACKED_BF16 = 3  # tailserve_layer.fmt of PanelPackedWeight
 PANEL_PACKED_INT8 = 4  # tailserve_layer.fmt of PanelPackedInt8Weight
+PANEL_PACKED_W8A8 = 5  # tailserve_layer.fmt of PanelPackedW8A8Weight
 PANEL_COLUMNS = 16
 
 
@@ -132,7 +133,57 @@ class PanelPackedInt8Weight(_Panels):
         return self.data.permute(0, 2, 1).reshape(p * PANEL_COLUMNS, k)[: self.n].contiguous(), self.scales[: self.n]
 
 
-AnyKernelWeight = torch.Tensor | PanelPackedWeight | PanelPackedInt8Weight
+@dataclasses.dataclass(frozen=True)
+class PanelPackedW8A8Weight(_Panels):
+    """int8 weights (N, K) with their float32 column scales for the W8A8 kernel
+    (``tailserve_gemm_w8a8p``: the activations quantised to int8 per row on the way in, the
+    products summed exactly in int32): panels of 16 output columns; in a panel, per group of
+    4 consecutive k (K padded to a multiple of 4) 64 bytes, column j's four weights at 4j..4j+3;
+    after the last panel each padded column's weight sum (int32, the VNNI tiles' correction for
+    their unsigned activations). ``scales``: (ceil(N / 16) * 16,) float32, zero past N."""
+
+    data: torch.Tensor  # (ceil(N / 16) * ceil(K / 4) * 64 + ceil(N / 16) * 16 * 4,) int8
+    scales: torch.Tensor  # (ceil(N / 16) * 16,) float32
+    n: int
+    k_in: int  # K (the panels hold it padded to a multiple of 4)
+
+    @property
+    def k(self) -> int:
+        return self.k_in
+
+    def unpack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (N, K) int8 weight and its (N,) scales back (the layout's check in tests)."""
+        p, kp = -(-self.n // PANEL_COLUMNS), -(-self.k_in // 4) * 4
+        panels = self.data[: p * kp * PANEL_COLUMNS].view(p, kp // 4, PANEL_COLUMNS, 4)  # (P, G, j, b)
+        w = panels.permute(0, 2, 1, 3).reshape(p * PANEL_COLUMNS, kp)
+        return w[: self.n, : self.k_in].contiguous(), self.scales[: self.n]
+
+    def column_sums(self) -> torch.Tensor:
+        """(ceil(N / 16) * 16,) int32: what the kernel reads after the panels."""
+        p, kp = -(-self.n // PANEL_COLUMNS), -(-self.k_in // 4) * 4
+        return self.data[p * kp * PANEL_COLUMNS :].view(torch.int32)
+
+
+def pack_panels_w8a8(q: torch.Tensor, scales: torch.Tensor) -> PanelPackedW8A8Weight:
+    """(N, K) int8 (in [-127, 127]) and its (N,) float32 scales -> PanelPackedW8A8Weight."""
+    if q.dtype != torch.int8 or q.dim() != 2 or scales.shape != (q.shape[0],):
+        raise ValueError(f"pack_panels_w8a8 takes a 2-D int8 weight and one scale a row, got {q.dtype} "
+                         f"{tuple(q.shape)} and {tuple(scales.shape)}")
+    if int(q.min()) < -127:
+        raise ValueError("pack_panels_w8a8 takes weights in [-127, 127] (AVX2 negates them)")
+    n, k = q.shape
+    padded, kp = -(-n // PANEL_COLUMNS) * PANEL_COLUMNS, -(-k // 4) * 4
+    s = torch.zeros(padded, dtype=torch.float32)
+    s[:n] = scales.float()
+    full = q.new_zeros(padded, kp)
+    full[:n, :k] = q
+    p = padded // PANEL_COLUMNS
+    panels = full.view(p, PANEL_COLUMNS, kp // 4, 4).permute(0, 2, 1, 3).reshape(-1)  # (P, G, j, b)
+    sums = full.sum(dim=1, dtype=torch.int32)  # (padded,)
+    return PanelPackedW8A8Weight(torch.cat([panels, sums.view(torch.int8)]), s, n, k)
+
+
+AnyKernelWeight = torch.Tensor | PanelPackedWeight | PanelPackedInt8Weight | PanelPackedW8A8Weight
 
 
 def pack_panels_int8(q: torch.Tensor, scales: torch.Tensor) -> PanelPackedInt8Weight:
@@ -156,6 +207,8 @@ def weight_format(w: AnyKernelWeight) -> int:
         return PANEL_PACKED_BF16
     if isinstance(w, PanelPackedInt8Weight):
         return PANEL_PACKED_INT8
+    if isinstance(w, PanelPackedW8A8Weight):
+        return PANEL_PACKED_W8A8
     return WEIGHT_FORMATS[w.dtype]
 # The KV cache formats the decode attention reads (widened to float32 in registers).
 KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -178,6 +231,8 @@ class CpuKernels:
         self._gemm_panels.restype = None
         self._gemm_i8_panels = lib.tailserve_gemm_i8p
         self._gemm_i8_panels.argtypes, self._gemm_i8_panels.restype = args, None
+        self._gemm_w8a8 = lib.tailserve_gemm_w8a8p
+        self._gemm_w8a8.argtypes, self._gemm_w8a8.restype = args, None
         self._panel_isa = lib.tailserve_panel_isa
         self._panel_isa.argtypes = [ctypes.c_int]
         self._panel_isa.restype = ctypes.c_int
@@ -464,6 +519,12 @@ class CpuKernels:
             if scale is not None:
                 raise ValueError("weights packed in panels take no row scales")
             self._gemm_panels(x.data_ptr(), w.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads())
+            return y
+        if isinstance(w, PanelPackedW8A8Weight):
+            if scale is not None:
+                raise ValueError("W8A8 panels carry their own scales")
+            self._gemm_w8a8(x.data_ptr(), w.data_ptr(), w.scales.data_ptr(), y.data_ptr(), m, n, k,
+                            torch.get_num_threads())
             return y
         if isinstance(w, PanelPackedInt8Weight):
             if scale is not None:

@@ -490,6 +490,194 @@ void tailserve_gemm_i8p(const float* x, const int8_t* wp, const float* s, float*
     PANEL_GEMM_BODY(int8_t, 16, group, I8_TILE)
 }
 
+/* -- int8 weights with int8 activations: a draft's products (W8A8, per-row scales) -----------
+ *
+ * Layout (kernels/cpu ``pack_panels_w8a8``): panels of 16 output columns; in a panel, for each
+ * group of 4 consecutive k (K padded to a multiple of 4 with zeros) 64 bytes, column j's four
+ * weights at bytes 4j..4j+3; after the last panel each padded column's weight sum (int32).
+ * Each row of x is quantised on the way in: s = max|x| / 127, q = x * (127 / max|x|) rounded to
+ * nearest even, in [-127, 127]. Then acc = sum_k q[m, k] w[n, k] in int32, exact whatever the
+ * order or the instructions, and y = ((float)acc * s[m]) * scale[n]. With AVX-512 VNNI one
+ * vpdpbusd takes 64 products (its x operand unsigned: q + 128, less 128 times the column's
+ * sum); otherwise AVX2's vpsignb / vpmaddubsw / vpmaddwd take them (|q| <= 127: no int16
+ * saturation). The same bits either way, each row's alone: a batch cannot change a row.
+ *
+ * Not the weight-only panels' numbers (the activations lose ~7 bits), which a draft's need not
+ * be: the target verifies every draft. What it buys is the widening: the weight-only panels
+ * spend two conversions per 8 weights beside the FMAs (the built-in draft's 4,096 x 256 head,
+ * one row: ~50 us on one Xeon core); here a 64-byte load feeds one vpdpbusd. */
+#define TS_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+
+static int w8a8_vnni = -1;  /* whether the AVX-512 VNNI tiles run: decided once, as tailserve_panel_isa */
+
+static int w8a8_wide(void) {
+    if (w8a8_vnni < 0) w8a8_vnni = __builtin_cpu_supports("avx512vnni");
+    return w8a8_vnni && tailserve_panel_isa(-1);
+}
+
+/* Row m of x (M, K) -> xq[m * Kp ...] (zero past K) and its scale sx[m]. */
+static void w8a8_quantize(const float* x, long M, long K, long Kp, int8_t* xq, float* sx) {
+    const __m256 nosign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+    for (long m = 0; m < M; m++) {
+        const float* r = x + m * K;
+        int8_t* q = xq + m * Kp;
+        __m256 mx = _mm256_setzero_ps();
+        long k = 0;
+        for (; k + 8 <= K; k += 8) mx = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(r + k), nosign), mx);
+        float amax = hmax8(mx);
+        for (; k < K; k++) { float a = fabsf(r[k]); if (a > amax) amax = a; }
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        sx[m] = amax / 127.0f;
+        const __m256 iv = _mm256_set1_ps(inv);
+        for (k = 0; k + 8 <= K; k += 8) {
+            __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(r + k), iv));  /* nearest even */
+            v = _mm256_min_epi32(_mm256_max_epi32(v, lo), hi);
+            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v, v), _mm256_setzero_si256());
+            int32_t a = _mm_cvtsi128_si32(_mm256_castsi256_si128(p));
+            int32_t b = _mm_cvtsi128_si32(_mm256_extracti128_si256(p, 1));
+            memcpy(q + k, &a, 4);
+            memcpy(q + k + 4, &b, 4);
+        }
+        for (; k < K; k++) {
+            long v = lrintf(r[k] * inv);
+            q[k] = (int8_t)(v < -127 ? -127 : v > 127 ? 127 : v);
+        }
+        for (; k < Kp; k++) q[k] = 0;
+    }
+}
+
+/* R rows x NP panels (AVX2): acc in 8 int32 lanes per half panel; y rows ldy apart. */
+#define DEFINE_W8A8_TILE(R)                                                                             \
+static inline __attribute__((always_inline)) void w8a8_tile_##R(const int8_t* xq, long Kp,            \
+        const int8_t* pan, long G, const int32_t* cs, const float* sx, const float* sw, float* y,         \
+        long ldy) {                                                                                      \
+    (void)cs;                                                                                        \
+    const __m256i ones = _mm256_set1_epi16(1);                                                       \
+    __m256i a0[R], a1[R];                                                                            \
+    for (int i = 0; i < R; i++) a0[i] = a1[i] = _mm256_setzero_si256();                              \
+    for (long g = 0; g < G; g++) {                                                                   \
+        const __m256i w0 = _mm256_loadu_si256((const __m256i*)(pan + g * 64));                       \
+        const __m256i w1 = _mm256_loadu_si256((const __m256i*)(pan + g * 64 + 32));                  \
+        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {                                        \
+            int32_t xv;                                                                              \
+            memcpy(&xv, xq + i * Kp + 4 * g, 4);                                                     \
+            const __m256i xs = _mm256_set1_epi32(xv), ax = _mm256_abs_epi8(xs);                      \
+            a0[i] = _mm256_add_epi32(a0[i], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xs)), ones)); \
+            a1[i] = _mm256_add_epi32(a1[i], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xs)), ones)); \
+        }                                                                                            \
+    }                                                                                                \
+    const __m256 s0 = _mm256_loadu_ps(sw), s1 = _mm256_loadu_ps(sw + 8);                             \
+    for (int i = 0; i < R; i++) {                                                                    \
+        const __m256 xs = _mm256_set1_ps(sx[i]);                                                     \
+        _mm256_storeu_ps(y + i * ldy, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a0[i]), xs), s0)); \
+        _mm256_storeu_ps(y + i * ldy + 8, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a1[i]), xs), s1)); \
+    }                                                                                                \
+}
+DEFINE_W8A8_TILE(1) DEFINE_W8A8_TILE(2) DEFINE_W8A8_TILE(3) DEFINE_W8A8_TILE(4)
+
+/* R rows x NP panels (AVX-512 VNNI): one zmm accumulator per row and panel, R * NP chains of
+ * vpdpbusd (its latency is ~5 cycles: one row over one panel would wait on it). */
+#define DEFINE_W8A8_TILE512(R, NP)                                                                      \
+static inline TS_VNNI __attribute__((always_inline)) void w8a8_vnni_##R##x##NP(const int8_t* xq,      \
+        long Kp, const int8_t* pan, long G, const int32_t* cs, const float* sx, const float* sw,          \
+        float* y, long ldy) {                                                                            \
+    const __m512i flip = _mm512_set1_epi32((int32_t)0x80808080u);                                    \
+    __m512i acc[R][NP];                                                                              \
+    for (int i = 0; i < R; i++) for (int q = 0; q < NP; q++) acc[i][q] = _mm512_setzero_si512();     \
+    for (long g = 0; g < G; g++) {                                                                   \
+        __m512i w[NP];                                                                               \
+        _Pragma("GCC unroll 8") for (int q = 0; q < NP; q++)                                         \
+            w[q] = _mm512_loadu_si512((const void*)(pan + (q * G + g) * 64));                        \
+        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {                                        \
+            int32_t xv;                                                                              \
+            memcpy(&xv, xq + i * Kp + 4 * g, 4);                                                     \
+            const __m512i a = _mm512_xor_si512(_mm512_set1_epi32(xv), flip);                         \
+            _Pragma("GCC unroll 8") for (int q = 0; q < NP; q++)                                     \
+                acc[i][q] = _mm512_dpbusd_epi32(acc[i][q], a, w[q]);                                 \
+        }                                                                                            \
+    }                                                                                                \
+    for (int q = 0; q < NP; q++) {                                                                   \
+        const __m512i c128 = _mm512_slli_epi32(_mm512_loadu_si512((const void*)(cs + 16 * q)), 7);   \
+        const __m512 s = _mm512_loadu_ps(sw + 16 * q);                                               \
+        for (int i = 0; i < R; i++) {                                                                \
+            const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][q], c128));                  \
+            _mm512_storeu_ps(y + i * ldy + 16 * q, _mm512_mul_ps(_mm512_mul_ps(f, _mm512_set1_ps(sx[i])), s)); \
+        }                                                                                            \
+    }                                                                                                \
+}
+DEFINE_W8A8_TILE512(1, 1) DEFINE_W8A8_TILE512(2, 1) DEFINE_W8A8_TILE512(3, 1) DEFINE_W8A8_TILE512(4, 1)
+DEFINE_W8A8_TILE512(1, 4) DEFINE_W8A8_TILE512(2, 4) DEFINE_W8A8_TILE512(3, 4) DEFINE_W8A8_TILE512(4, 4)
+
+static TS_VNNI void w8a8_vnni_tile(int R, int NP, const int8_t* xq, long Kp, const int8_t* pan, long G,
+                                   const int32_t* cs, const float* sx, const float* sw, float* y, long ldy) {
+    if (NP == 4) {
+        switch (R) {
+        case 4: w8a8_vnni_4x4(xq, Kp, pan, G, cs, sx, sw, y, ldy); return;
+        case 3: w8a8_vnni_3x4(xq, Kp, pan, G, cs, sx, sw, y, ldy); return;
+        case 2: w8a8_vnni_2x4(xq, Kp, pan, G, cs, sx, sw, y, ldy); return;
+        default: w8a8_vnni_1x4(xq, Kp, pan, G, cs, sx, sw, y, ldy); return;
+        }
+    }
+    switch (R) {
+    case 4: w8a8_vnni_4x1(xq, Kp, pan, G, cs, sx, sw, y, ldy); return;
+    case 3: w8a8_vnni_3x1(xq, Kp, pan, G, cs, sx, sw, y, ldy); return;
+    case 2: w8a8_vnni_2x1(xq, Kp, pan, G, cs, sx, sw, y, ldy); return;
+    default: w8a8_vnni_1x1(xq, Kp, pan, G, cs, sx, sw, y, ldy); return;
+    }
+}
+
+static void w8a8_avx2_tile(int R, const int8_t* xq, long Kp, const int8_t* pan, long G, const int32_t* cs,
+                           const float* sx, const float* sw, float* y, long ldy) {
+    switch (R) {
+    case 4: w8a8_tile_4(xq, Kp, pan, G, cs, sx, sw, y, ldy); return;
+    case 3: w8a8_tile_3(xq, Kp, pan, G, cs, sx, sw, y, ldy); return;
+    case 2: w8a8_tile_2(xq, Kp, pan, G, cs, sx, sw, y, ldy); return;
+    default: w8a8_tile_1(xq, Kp, pan, G, cs, sx, sw, y, ldy); return;
+    }
+}
+
+/* Products of fewer multiply-adds than this run on one thread: a parallel region costs more
+ * than the built-in draft's layer products (65-330 thousand), at one row or a few. */
+#define W8A8_PARALLEL_MACS (1L << 20)
+
+/* y (M, N) = W8A8 product of x (M, K) float32 with w packed by pack_panels_w8a8 (its column
+ * sums after the panels), s its padded column scales. */
+void tailserve_gemm_w8a8p(const float* x, const int8_t* wp, const float* s, float* y, long M, long N, long K,
+                          int threads) {
+    const long Kp = (K + 3) & ~3L, G = Kp / 4, P = (N + 15) / 16;
+    const int32_t* csum = (const int32_t*)(wp + P * Kp * 16);
+    int8_t* xq = (int8_t*)malloc((size_t)(M * Kp) + sizeof(float) * (size_t)M);
+    float* sx = (float*)(xq + M * Kp);
+    w8a8_quantize(x, M, K, Kp, xq, sx);
+    const int wide = w8a8_wide();
+    const int nt = M * N * K >= W8A8_PARALLEL_MACS ? threads : 1;
+    const int group = wide ? 4 : 1;  /* panels a tile takes at once */
+    const long chunks = (P + group - 1) / group;
+    _Pragma("omp parallel for num_threads(nt) schedule(static) if(nt > 1)")
+    for (long c = 0; c < chunks; c++) {
+        const long p0 = c * group;
+        const int np = p0 + group <= P ? group : 1;
+        for (long p = p0; p < p0 + group && p < P; p += np) {
+            const int8_t* pan = wp + p * Kp * 16;
+            const long n0 = p * 16, width = 16L * np;
+            const int full = n0 + width <= N;
+            float tmp[4 * 64];
+            for (long m = 0; m < M; m += 4) {
+                const int R = (int)(M - m < 4 ? M - m : 4);
+                float* ym = full ? y + m * N + n0 : tmp;
+                const long ldy = full ? N : width;
+                if (wide) w8a8_vnni_tile(R, np, xq + m * Kp, Kp, pan, G, csum + n0, sx + m, s + n0, ym, ldy);
+                else w8a8_avx2_tile(R, xq + m * Kp, Kp, pan, G, csum + n0, sx + m, s + n0, ym, ldy);
+                if (!full)
+                    for (int i = 0; i < R; i++)
+                        for (long n = n0; n < N; n++) y[(m + i) * N + n] = tmp[i * width + n - n0];
+            }
+        }
+    }
+    free(xq);
+}
+
 /* -- the small per-layer operations of a decode step, fused --------------------------------
  * PyTorch spends 15-30 us per operation here whatever its size; a decode step of a small model
  * runs ~15 of them per layer. These do the same float32 arithmetic in one pass each. */
@@ -1444,6 +1632,7 @@ static void gemm_fmt(int fmt, const float* x, const void* w, const float* s, flo
                      int threads) {
     if (fmt == 3) tailserve_gemm_bf16p(x, (const uint32_t*)w, y, M, N, K, threads);
     else if (fmt == 4) tailserve_gemm_i8p(x, (const int8_t*)w, s, y, M, N, K, threads);
+    else if (fmt == 5) tailserve_gemm_w8a8p(x, (const int8_t*)w, s, y, M, N, K, threads);
     else if (fmt == 0) tailserve_gemm_bf16w(x, (const uint16_t*)w, s, y, M, N, K, threads);
     else if (fmt == 1) tailserve_gemm_f16w(x, (const uint16_t*)w, s, y, M, N, K, threads);
     else tailserve_gemm_i8w(x, (const int8_t*)w, s, y, M, N, K, threads);
