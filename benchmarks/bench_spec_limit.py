@@ -21,7 +21,7 @@ engine's own step overhead, which a draft inside speculation does not pay), and 
 (bookkeeping of drafts, output processing of more tokens a step).
 
     TAILSERVE_BENCHMARK=1 python benchmarks/bench_spec_limit.py [--runs 3] [--batches 1] [--json out.json]
-        [--draft-quantization int8]
+        [--draft-quantization int8|w8a8_int8|none]
 """
 
 from __future__ import annotations
@@ -102,9 +102,9 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--acceptances", type=float, nargs="+", default=[0.5, 0.7, 0.9])
     ap.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8])
-    ap.add_argument("--draft-quantization", default=None, choices=["int8", "none"],
-                    help="the draft's weights in int8 or its own (default: the engine's choice, int8 on an "
-                         "AVX-512 CPU); its c is measured with the same weights")
+    ap.add_argument("--draft-quantization", default=None, choices=["int8", "w8a8_int8", "none"],
+                    help="the draft's weights in int8 (weight-only), w8a8_int8 or its own (default: the engine's "
+                         "choice, w8a8_int8 on an AVX-512 CPU); its c is measured with the same scheme")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     os.environ.setdefault("TAILSERVE_BENCHMARK", "1")
@@ -122,13 +122,14 @@ def main() -> None:
     # --draft-quantization says), so that c is measured on the same weights.
     probe = LLM(target, speculative_model=draft, num_speculative_tokens=2,
                 speculative_draft_quantization=args.draft_quantization, **kv)
-    draft_int8 = probe.engine.health()["plan"]["draft"]["linear"].startswith("int8")
+    method = probe.engine.health()["plan"]["draft"]["linear"].split(" ", 1)[0]
+    draft_quant = {"int8-w8a8": "w8a8_int8", "int8-weight-only": "int8"}.get(method)
     probe.shutdown()
     print(f"CPU: {isa}, {torch.get_num_threads()} threads; 55M target, 2-layer draft"
-          f"{' (int8 weights)' if draft_int8 else ' (bf16 weights)'}, greedy, 128 tokens; "
+          f" ({draft_quant or 'bf16 weights'})" + ", greedy, 128 tokens; "
           f"{args.runs} interleaved pairs a cell")
-    base_llm, draft_llm = LLM(target, **kv), LLM(draft, quantization="int8" if draft_int8 else None, **kv)
-    out = {"cpu": isa, "runs": args.runs, "draft_quantization": "int8" if draft_int8 else "none", "cells": []}
+    base_llm, draft_llm = LLM(target, **kv), LLM(draft, quantization=draft_quant, **kv)
+    out = {"cpu": isa, "runs": args.runs, "draft_quantization": draft_quant or "none", "cells": []}
     for b in args.batches:
         warm(base_llm, b)
         warm(draft_llm, b)

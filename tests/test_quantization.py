@@ -1,5 +1,7 @@
-"""Weight-only int8 (``--quantization int8``, model/linear.py Int8WeightOnlyLinearMethod):
-the per-row quantisation, the product it computes, and the engine on it."""
+"""int8 targets: weight-only (``--quantization int8``, model/linear.py
+Int8WeightOnlyLinearMethod) and with int8 activations (``w8a8_int8``,
+Int8DynamicActivationLinearMethod): the per-row quantisation, the product it computes, and the
+engine on it."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch.nn.functional as F
 from tailserve import LLM, SamplingParams
 from tailserve.config import EngineConfig
 from tailserve.errors import ConfigError
+from tailserve.kernels import cpu as cpu_kernels
 from tailserve.model.linear import Int8WeightOnlyLinearMethod, Linear, build_linear_method
 from tailserve.model.loader import load_model
 
@@ -85,6 +88,54 @@ def test_the_int8_model_stays_close_to_the_full_precision_one(tiny_checkpoint, k
     a, b = outs
     assert ((b - a).abs().mean() / a.std()) < 0.05
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.85
+
+
+needs_kernels = pytest.mark.skipif(cpu_kernels.kernels() is None, reason="compiled CPU kernels unavailable")
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["llama", "llama_tied"])
+def test_the_w8a8_model_stays_close_to_the_full_precision_one(tiny_checkpoint, kind):
+    """int8 weights and per-row int8 activations in every projection and the LM head: the
+    logits move more than weight-only int8's, still by a small fraction of their spread."""
+    path, _ = tiny_checkpoint(kind)
+    cpu = torch.device("cpu")
+    full, cfg = load_model(path, torch.float32, linear_method=build_linear_method("plain"))
+    w8a8, _ = load_model(path, torch.float32, linear_method=build_linear_method("int8-w8a8", cpu_kernels.kernels()))
+    assert all(m.method.name == "int8-w8a8" for m in w8a8.modules() if isinstance(m, Linear))
+    from tailserve.attention.reference import build_attention_metadata
+
+    ids = torch.randint(0, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(2))
+    outs = []
+    for model in (full, w8a8):
+        caches = [torch.zeros(2, 5, 16, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+        meta = build_attention_metadata([40], [40], [list(range(5))], 16, cfg.sliding_window, cpu)
+        with torch.inference_mode():
+            outs.append(model.compute_logits(model(ids, torch.arange(40), caches, meta)))
+    a, b = outs
+    assert ((b - a).abs().mean() / a.std()) < 0.08
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
+
+
+@needs_kernels
+def test_the_engine_serves_a_w8a8_model_losslessly_under_speculation(tiny_checkpoint, noisy_draft):
+    """--quantization w8a8_int8 (its plan says so): speculative decoding over it gives its own
+    greedy tokens; refused where the compiled kernels cannot run it."""
+    path, _ = tiny_checkpoint("llama")
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    kw = dict(dtype="float32", kv_cache_memory_bytes=2 << 20, quantization="w8a8_int8")
+    plain = LLM(str(path), **kw)
+    assert plain.engine.health()["plan"]["linear"].startswith("int8-w8a8 (--quantization w8a8_int8")
+    want = plain.generate([[5, 6, 7, 8]], params)[0].token_ids
+    spec = LLM(str(path), speculative_model=str(noisy_draft), num_speculative_tokens=3, **kw)
+    assert spec.engine.core.worker.linear_method.name == "int8-w8a8"
+    assert spec.generate([[5, 6, 7, 8]], params)[0].token_ids == want
+    with pytest.raises(ConfigError, match="compiled CPU kernels"):
+        LLM(str(path), cpu_kernels=False, **kw)
+    with pytest.raises(ConfigError, match="float32 model"):
+        LLM(str(path), **{**kw, "dtype": "bfloat16"})
+    with pytest.raises(ConfigError, match="needs device cpu"):
+        EngineConfig(model="builtin", device="cuda", quantization="w8a8_int8")
 
 
 def test_the_engine_serves_an_int8_model_and_a_full_precision_draft(tiny_checkpoint, noisy_draft):

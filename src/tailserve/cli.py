@@ -81,9 +81,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(needs pip install triton; tested in Triton's interpreter, not yet on a GPU)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks to split the target model over, one process each (gloo on the CPU, NCCL on CUDA)")
-    g.add_argument("--quantization", "-q", default=None, choices=["int8"],
+    g.add_argument("--quantization", "-q", default=None, choices=["int8", "w8a8_int8"],
                    help="int8: weight-only int8 for the target's projections and LM head (per-row scales; "
-                        "activations stay in --dtype)")
+                        "activations stay in --dtype); w8a8_int8: int8 weights and int8 activations quantised "
+                        "per row (CPU, compiled kernels; lossier, faster products)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run decodes eagerly instead of replaying CUDA graphs captured at start-up")
     g.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",

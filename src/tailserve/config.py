@@ -270,8 +270,10 @@ class EngineConfig:
     # Attention kernels: "auto" (the PyTorch reference for now), "torch", or "triton" (the
     # paged Triton kernel, attention/triton_paged.py; needs pip install triton).
     attention_backend: str = "auto"
-    # Weight-only quantisation of the target's projections and LM head: None or "int8"
-    # (model/linear.py Int8WeightOnlyLinearMethod). The draft model keeps its own precision.
+    # Quantisation of the target's projections and LM head: None, "int8" (weight-only,
+    # model/linear.py Int8WeightOnlyLinearMethod) or "w8a8_int8" (int8 weights and per-row int8
+    # activations, Int8DynamicActivationLinearMethod; CPU with the compiled kernels). The draft
+    # model keeps its own precision (--speculative-draft-quantization).
     quantization: str | None = None
     # Compiled CPU kernels (kernels/cpu: compact-weight products for decode, built with
     # the system C compiler on first use): for int8 weights with float32 activations, and for
@@ -406,8 +408,11 @@ class EngineConfig:
             raise ConfigError("record_memory_history records the CUDA caching allocator: it needs device cuda")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ConfigError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
-        if self.quantization not in (None, "int8"):
-            raise ConfigError(f"quantization must be int8 or unset, got {self.quantization!r}")
+        if self.quantization not in (None, "int8", "w8a8_int8"):
+            raise ConfigError(f"quantization must be int8, w8a8_int8 or unset, got {self.quantization!r}")
+        if self.quantization == "w8a8_int8" and self.device != "cpu":
+            raise ConfigError("quantization w8a8_int8 runs in the compiled CPU kernels: it needs device cpu "
+                              f"(got {self.device!r}; int8 is weight-only int8 on any device)")
         if self.gateway_metrics and not self.enable_metrics:
             raise ConfigError("gateway_metrics needs metrics (drop --disable-metrics)")
         if isinstance(self.block_size, bool) or self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

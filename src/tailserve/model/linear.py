@@ -378,7 +378,7 @@ class CpuCompactWeightsLinearMethod(LinearMethod):
         return y.view(*shape[:-1], y.shape[-1])
 
 
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "w8a8_int8")
 
 
 def build_linear_method(method: str, kernels=None, compact_dtype: torch.dtype | None = None,

@@ -61,7 +61,9 @@ def run_server(engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000, htt
         check_bindable(host, http2_port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.info("dtype %s (%s)%s", str(engine.dtype).removeprefix("torch."), engine.dtype_reason,
-             ", weight-only int8 projections (--quantization int8)" if engine.config.quantization == "int8" else "")
+             {"int8": ", weight-only int8 projections (--quantization int8)",
+              "w8a8_int8": ", int8 projections over int8 activations (--quantization w8a8_int8)"}.get(
+                 engine.config.quantization or "", ""))
     info = engine.info
     plan = info.plan.describe()
     log.info("execution plan: %s", "; ".join(f"{k} {v}" for k, v in plan.items() if k != "draft"))
