@@ -311,7 +311,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tailserve", nargs="+", default=["auto", "auto+int8", "float32"],
-                    help="tailserve setups: a --dtype, optionally +int8 for --quantization int8")
+                    help="tailserve setups: a --dtype, optionally +int8 or +w8a8_int8 for --quantization")
     ap.add_argument("--transformers", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--llamacpp", nargs="+", default=["f32", "bf16", "q8_0"])
     ap.add_argument("--vllm", nargs="+", default=["bfloat16", "float32"])

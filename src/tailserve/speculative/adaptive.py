@@ -586,7 +586,15 @@ class AdaptiveSpeculation:
     # that ruled it out, and in a workload that runs in one bucket no round is verified
     # elsewhere. Greedy batch 1 on the built-in pair (2 AVX2 cores) ran 1.07-1.12x of off in
     # some runs and was ruled out for good after a stretch of hard text in others (0.98-1.00x).
-    ruled_out_recheck_steps: int = 1536
+    #
+    # A recheck costs what a first exploration does (the draft catches up on every running
+    # request's context) and, in a bucket that stays ruled out, buys nothing: at batch 4,
+    # temperature 0.8 on the built-in pair with the W8A8 draft (2 Xeon cores) each cost 12-31 ms,
+    # and at 1,536 steps and the 1% exploration budget three of them in 60 batches of 128 tokens
+    # were 0.55% of the adaptive engine's time, where its cells of the never-slower matrix read
+    # 0.978-0.981x of off. So rechecks start at 3,072 steps and keep to ``recheck_budget``.
+    ruled_out_recheck_steps: int = 3072
+    recheck_budget: float = 0.005
     recheck_acceptance: float = 0.95
     _ruled_at: dict = field(default_factory=dict)  # per bucket: the step count when ruled out
     _recheck_every: dict = field(default_factory=dict)  # per bucket: steps from then to its recheck
@@ -1157,7 +1165,9 @@ class AdaptiveSpeculation:
         every = self._recheck_every.get(bkt)
         if every is None:
             return None
-        return self._ruled_at.get(bkt, 0) + max(every, self._min_interval.get(bkt, 0))
+        # _min_interval keeps the last exploration's cost within explore_budget; a recheck, within recheck_budget.
+        budgeted = int(self._min_interval.get(bkt, 0) * self.explore_budget / self.recheck_budget)
+        return self._ruled_at.get(bkt, 0) + max(every, budgeted)
 
     def _cannot_pay(self, bkt: int, num_decoding: int, acceptance: float | None = None) -> bool:
         """Whether the start-up profile says no k can beat off by ``switch_on_margin`` in this
