@@ -65,27 +65,27 @@ def test_an_unknown_quantization_is_refused():
         build_linear_method("int4-weight-only")
 
 
+def _prompt_logits(model, cfg) -> torch.Tensor:
+    """The logits of a 40-token prompt (the same random ids for every model) in one forward."""
+    from tailserve.attention.reference import build_attention_metadata
+
+    ids = torch.randint(0, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(2))
+    caches = [torch.zeros(2, 5, 16, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+    meta = build_attention_metadata([40], [40], [list(range(5))], 16, cfg.sliding_window, torch.device("cpu"))
+    with torch.inference_mode():
+        return model.compute_logits(model(ids, torch.arange(40), caches, meta))
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "llama_tied"])
 def test_the_int8_model_stays_close_to_the_full_precision_one(tiny_checkpoint, kind):
     """Every projection and the LM head go int8 (biases and norms stay); the logits move by
     a small fraction of their spread, and most greedy choices are unchanged."""
     path, _ = tiny_checkpoint(kind)
-    cpu = torch.device("cpu")
     full, cfg = load_model(path, torch.float32, linear_method=build_linear_method("plain"))
     q8, _ = load_model(path, torch.float32, linear_method=build_linear_method("int8-weight-only"))
     linears = [m for m in q8.modules() if isinstance(m, Linear)]
     assert linears and all(m.method.name == "int8-weight-only" and m.qweight is not None for m in linears)
-    from tailserve.attention.reference import build_attention_metadata
-
-    g = torch.Generator().manual_seed(2)
-    ids = torch.randint(0, cfg.vocab_size, (40,), generator=g)
-    outs = []
-    for model in (full, q8):
-        caches = [torch.zeros(2, 5, 16, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
-        meta = build_attention_metadata([40], [40], [list(range(5))], 16, cfg.sliding_window, cpu)
-        with torch.inference_mode():
-            outs.append(model.compute_logits(model(ids, torch.arange(40), caches, meta)))
-    a, b = outs
+    a, b = (_prompt_logits(m, cfg) for m in (full, q8))
     assert ((b - a).abs().mean() / a.std()) < 0.05
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.85
 
@@ -99,20 +99,10 @@ def test_the_w8a8_model_stays_close_to_the_full_precision_one(tiny_checkpoint, k
     """int8 weights and per-row int8 activations in every projection and the LM head: the
     logits move more than weight-only int8's, still by a small fraction of their spread."""
     path, _ = tiny_checkpoint(kind)
-    cpu = torch.device("cpu")
     full, cfg = load_model(path, torch.float32, linear_method=build_linear_method("plain"))
     w8a8, _ = load_model(path, torch.float32, linear_method=build_linear_method("int8-w8a8", cpu_kernels.kernels()))
     assert all(m.method.name == "int8-w8a8" for m in w8a8.modules() if isinstance(m, Linear))
-    from tailserve.attention.reference import build_attention_metadata
-
-    ids = torch.randint(0, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(2))
-    outs = []
-    for model in (full, w8a8):
-        caches = [torch.zeros(2, 5, 16, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
-        meta = build_attention_metadata([40], [40], [list(range(5))], 16, cfg.sliding_window, cpu)
-        with torch.inference_mode():
-            outs.append(model.compute_logits(model(ids, torch.arange(40), caches, meta)))
-    a, b = outs
+    a, b = (_prompt_logits(m, cfg) for m in (full, w8a8))
     assert ((b - a).abs().mean() / a.std()) < 0.08
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
 

@@ -520,17 +520,11 @@ class CpuKernels:
                 raise ValueError("weights packed in panels take no row scales")
             self._gemm_panels(x.data_ptr(), w.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads())
             return y
-        if isinstance(w, PanelPackedW8A8Weight):
-            if scale is not None:
-                raise ValueError("W8A8 panels carry their own scales")
-            self._gemm_w8a8(x.data_ptr(), w.data_ptr(), w.scales.data_ptr(), y.data_ptr(), m, n, k,
-                            torch.get_num_threads())
-            return y
-        if isinstance(w, PanelPackedInt8Weight):
+        if isinstance(w, (PanelPackedInt8Weight, PanelPackedW8A8Weight)):
             if scale is not None:
                 raise ValueError("int8 weights packed in panels carry their own scales")
-            self._gemm_i8_panels(x.data_ptr(), w.data_ptr(), w.scales.data_ptr(), y.data_ptr(), m, n, k,
-                                 torch.get_num_threads())
+            fn = self._gemm_w8a8 if isinstance(w, PanelPackedW8A8Weight) else self._gemm_i8_panels
+            fn(x.data_ptr(), w.data_ptr(), w.scales.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads())
             return y
         self._fns[w.dtype](x.data_ptr(), w.data_ptr(), 0 if scale is None else scale.data_ptr(), y.data_ptr(),
                            m, n, k, torch.get_num_threads())
