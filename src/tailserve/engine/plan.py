@@ -277,7 +277,7 @@ def _linear_plan(device: torch.device, dtype: torch.dtype, checkpoint_dtype: tor
     reason itself where the plan chose int8 (it then starts with "int8" or "w8a8")."""
     cpu = device.type == "cpu"
     kernels = cpu and config.cpu_kernels and caps.cpu_kernels
-    if quantization == "w8a8_int8":  # a draft's (plan_draft): int8 weights and activations
+    if quantization == "w8a8_int8":  # int8 weights and activations (a draft's default on AVX-512, or asked for)
         why = quantization_flag if quantization_flag.startswith("w8a8") else f"{quantization_flag} w8a8_int8"
         if not (kernels and dtype == torch.float32):
             raise ConfigError(f"{why}: the W8A8 products run in the compiled CPU kernels on a float32 model "

@@ -240,12 +240,14 @@ class Int8DynamicActivationLinearMethod(Int8WeightOnlyLinearMethod):
     """int8 weights (as ``Int8WeightOnlyLinearMethod`` quantises them) and int8 activations,
     quantised per row on the way into each product, the products summed exactly in int32
     (``kernels.cpu.tailserve_gemm_w8a8p``: AVX-512 VNNI, else AVX2, the same bits; SGLang calls
-    the scheme ``w8a8_int8``). For a draft model only: the activations lose ~7 bits, which the
-    target's verification makes harmless (lossless as any draft; the built-in draft's
-    acceptance moved by under a point), and the widening the weight-only panels spend is gone:
-    the built-in draft's 4,096 x 256 head took 8.9 us for one row against 29.8 us through the
-    weight-only panels (2 Xeon cores, AVX-512 VNNI; AVX2 tiles 13.9 us), 256 rows 0.67 ms
-    against 1.79 ms. Needs the compiled CPU kernels and a float32 model."""
+    the scheme ``w8a8_int8``). The activations lose ~7 bits: for a draft model harmless (the
+    target verifies every draft; the built-in draft's acceptance moved by under a point), so a
+    bf16/fp16 draft on an AVX-512 CPU takes it by default; for a target lossy, on request
+    (``--quantization w8a8_int8``: the built-in target's held-out cross-entropy +0.03%). What
+    it buys is the widening the weight-only panels spend: the built-in draft's 4,096 x 256 head
+    took 8.9 us for one row against 29.8 us through the weight-only panels (2 Xeon cores,
+    AVX-512 VNNI; AVX2 tiles 13.9 us), 256 rows 0.67 ms against 1.79 ms. Needs the compiled CPU
+    kernels and a float32 model."""
 
     name = "int8-w8a8"
 
@@ -376,9 +378,6 @@ class CpuCompactWeightsLinearMethod(LinearMethod):
         else:
             y = F.linear(x2, layer.weight if self.keep_float32 else layer.qweight.float(), layer.bias)
         return y.view(*shape[:-1], y.shape[-1])
-
-
-QUANTIZATIONS = ("int8", "w8a8_int8")
 
 
 def build_linear_method(method: str, kernels=None, compact_dtype: torch.dtype | None = None,
