@@ -280,8 +280,8 @@ def _linear_plan(device: torch.device, dtype: torch.dtype, checkpoint_dtype: tor
     if quantization == "w8a8_int8":  # int8 weights and activations (a draft's default on AVX-512, or asked for)
         why = quantization_flag if quantization_flag.startswith("w8a8") else f"{quantization_flag} w8a8_int8"
         if not (kernels and dtype == torch.float32):
-            raise ConfigError(f"{why}: the W8A8 products run in the compiled CPU kernels on a float32 model "
-                              f"(this one: {_name(dtype)} on {device.type}, kernels {'on' if kernels else 'off'})")
+            raise ConfigError(f"{why} runs in the compiled CPU kernels on a float32 model (here: "
+                              + (f"{_name(dtype)}" if kernels else f"no kernels, {_kernels_off(config, caps)}") + ")")
         return LinearPlan("int8-w8a8", why + "; int8 activations quantised per row, the products summed in int32 "
                           "(the compiled CPU kernels' W8A8 panels)", cpu_kernels=True, panel_packed=True)
     if quantization == "int8":
@@ -583,9 +583,6 @@ def plan_draft(config: EngineConfig, draft_dir: pathlib.Path, arch: ModelArchCon
         dtype = torch.float32
         why = "float32 for the NumPy chain step" if numpy_step else \
             f"float32 over compact {_name(arch.dtype)} weights (compiled kernels)"
-    elif quant == "w8a8_int8" and not kernels:
-        raise ConfigError("--speculative-draft-quantization w8a8_int8 runs in the compiled CPU kernels, which this "
-                          f"engine does not use ({_kernels_off(config, caps)})")
     elif quant in ("int8", "w8a8_int8") and kernels:
         dtype, why = torch.float32, "float32 over int8 weights (compiled kernels)"
     else:

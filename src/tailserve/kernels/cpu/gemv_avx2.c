@@ -547,7 +547,7 @@ static void w8a8_quantize(const float* x, long M, long K, long Kp, int8_t* xq, f
     }
 }
 
-/* R rows x NP panels (AVX2): acc in 8 int32 lanes per half panel; y rows ldy apart. */
+/* R rows x 1 panel (AVX2): two accumulators of 8 int32 lanes a row (the panel's halves); y rows ldy apart. */
 #define DEFINE_W8A8_TILE(R)                                                                             \
 static inline __attribute__((always_inline)) void w8a8_tile_##R(const int8_t* xq, long Kp,            \
         const int8_t* pan, long G, const int32_t* cs, const float* sx, const float* sw, float* y,         \
@@ -1729,7 +1729,7 @@ static int top2_first(const float* x, long V, long* i1, float* m2) {
         const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + j), mv, _CMP_EQ_OQ));
         if (hit) { j += __builtin_ctz((unsigned)hit); break; }
     }
-    if (j + 8 > V || x[j] != m1) while (j < V && x[j] != m1) j++;  /* the tail, or a row of -inf */
+    while (j < V && x[j] != m1) j++;  /* no hit in the vectors: the tail */
     if (j >= V) j = 0;  /* every value -inf: argmax's first index */
     *i1 = j;
     const float a = range_max(x, 0, j, &nan), b = range_max(x, j + 1, V, &nan);
