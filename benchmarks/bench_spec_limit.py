@@ -104,7 +104,7 @@ def main() -> None:
     ap.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--draft-quantization", default=None, choices=["int8", "w8a8_int8", "none"],
                     help="the draft's weights in int8 (weight-only), w8a8_int8 or its own (default: the engine's "
-                         "choice, w8a8_int8 on an AVX-512 CPU); its c is measured with the same scheme")
+                         "choice, w8a8_int8 with the compiled kernels); its c is measured with the same scheme")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     os.environ.setdefault("TAILSERVE_BENCHMARK", "1")

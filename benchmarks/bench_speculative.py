@@ -108,7 +108,7 @@ def _matrix_setup(args: argparse.Namespace):
     caps = detect_capabilities(torch.device("cpu"))
     print(f"CPU: {caps.cpu_capability}; {torch.get_num_threads()} threads; dtype {args.dtype or 'auto'}"
           + (f"; draft weights {args.draft_quantization}" if args.draft_quantization
-             else "; draft weights as the plan chooses (w8a8_int8 on AVX-512)")
+             else "; draft weights as the plan chooses (w8a8_int8 with the compiled kernels)")
           + (f"; {args.pairs} pairs a cell" if args.pairs else ""), flush=True)
     common = dict(dtype=args.dtype or "auto", kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False)
     spec = {"speculative_model": args.draft or str(DEFAULT_DRAFT_DIR),
@@ -325,8 +325,8 @@ def main() -> None:
     ap.add_argument("--draft", default=None, help="draft checkpoint folder (default: the built-in draft)")
     ap.add_argument("--draft-quantization", default=None, choices=["int8", "w8a8_int8", "none"],
                     help="--matrix: the adaptive engines' draft in int8 (weight-only), w8a8_int8 or its own weights "
-                         "(--speculative-draft-quantization; default: the engine's choice, w8a8_int8 on an AVX-512 "
-                         "CPU)")
+                         "(--speculative-draft-quantization; default: the engine's choice, w8a8_int8 with the "
+                         "compiled kernels)")
     ap.add_argument("--draft-dtype", default="auto", help="tailserve's draft dtype (auto: the target's)")
     ap.add_argument("--rows", default=None, help="only rows whose name contains this (plus 'off')")
     ap.add_argument("--json")

@@ -136,17 +136,21 @@ SMALL_F32 = arch(torch.float32, hidden=128, layers=2)  # ~1M parameters: NumPy-s
 
 DRAFT_TABLE = [
     # (case, config, draft arch, caps, target dtype) -> (dtype, linear, keep fp32, attention, chain)
-    ("bf16 draft, kernels", config(speculative_method="draft_model", speculative_model="builtin"), arch(),
-     AVX2_KERNELS, torch.float32, (torch.float32, "cpu-compact-weights", True, "cpu-decode", "batched")),
+    ("bf16 draft, AVX2 kernels: w8a8_int8 by default", config(speculative_method="draft_model",
+                                                              speculative_model="builtin"), arch(), AVX2_KERNELS,
+     torch.float32, (torch.float32, "int8-w8a8", False, "cpu-decode", "batched")),
+    ("bf16 draft, its own weights", config(speculative_method="draft_model", speculative_model="builtin",
+                                           speculative_draft_quantization="none"), arch(), AVX2_KERNELS,
+     torch.float32, (torch.float32, "cpu-compact-weights", True, "cpu-decode", "batched")),
     ("small float32 draft: NumPy chain", config(speculative_method="draft_model", speculative_model="builtin"),
      SMALL_F32, AVX2_KERNELS, torch.float32, (torch.float32, "onednn-packed", False, "cpu-decode", "numpy")),
     ("bf16 draft, no kernels", config(speculative_method="draft_model", speculative_model="builtin"), arch(),
      NO_KERNELS, torch.float32, (torch.float32, "onednn-packed", False, "torch-reference", "torch")),
     ("hybrid, bf16 draft", config(speculative_method="hybrid", speculative_model="builtin"), arch(),
-     AVX2_KERNELS, torch.float32, (torch.float32, "cpu-compact-weights", True, "cpu-decode", "batched")),
+     AVX2_KERNELS, torch.float32, (torch.float32, "int8-w8a8", False, "cpu-decode", "batched")),
     ("sliding-window draft", config(speculative_method="draft_model", speculative_model="builtin"),
      arch(sliding_window=64), AVX2_KERNELS, torch.float32,
-     (torch.float32, "cpu-compact-weights", True, "torch-reference", "torch")),
+     (torch.float32, "int8-w8a8", False, "torch-reference", "torch")),
     ("explicit bf16 draft", config(speculative_method="draft_model", speculative_model="builtin",
                                    speculative_draft_dtype="bfloat16"), arch(), AVX2_KERNELS, torch.float32,
      (torch.bfloat16, "onednn-packed", False, "torch-reference", "torch")),
@@ -200,7 +204,7 @@ def test_an_int8_target_on_the_kernels_multiplies_every_batch_through_int8_panel
 def test_a_default_int8_draft_says_why_and_how_to_keep_the_drafts_own_weights():
     cfg = config(speculative_method="draft_model", speculative_model="builtin")
     linear = plan_draft(cfg, DRAFT_DIR, arch(), CPU, AVX512_KERNELS, torch.float32).model.linear
-    assert linear.reason.startswith("w8a8_int8 by default for a bf16/fp16 draft on an AVX-512 CPU")
+    assert linear.reason.startswith("w8a8_int8 by default for a bf16/fp16 draft on the compiled CPU kernels")
     assert "--speculative-draft-quantization int8: weight-only; none: the draft's own weights" in linear.reason
     assert linear.method == "int8-w8a8" and "int8 activations quantised per row" in linear.reason
     asked = dataclasses.replace(cfg, speculative_draft_quantization="int8")

@@ -457,22 +457,21 @@ def test_draft_chain_through_the_cpu_decode_kernel_matches_the_reference(llama_c
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-def test_builtin_bf16_draft_runs_on_compact_weights_and_stays_exact(llm_builtin_spec, engine_cache):
+def test_builtin_bf16_draft_runs_through_the_kernels_and_stays_exact(llm_builtin_spec, engine_cache):
     """The built-in pair (bf16 checkpoints) on the CPU: the draft runs in float32 through the
-    compiled kernels, not in NumPy, over its compact bf16 weights (int8 weights and activations by
-    default on an AVX-512 CPU); greedy output equals the target's alone at batch 1 and 4, and sampled output
-    keeps a seeded request's tokens whatever shares its batch."""
+    compiled kernels, not in NumPy, over int8 weights and activations by default (over its
+    compact bf16 weights with --speculative-draft-quantization none); greedy output equals the
+    target's alone at batch 1 and 4 either way, and sampled output keeps a seeded request's
+    tokens whatever shares its batch."""
     from tailserve.kernels.cpu import kernels
     from tailserve.model.linear import CpuCompactWeightsLinearMethod, Int8DynamicActivationLinearMethod
-    from tailserve.platform_info import cpu_flags
 
     if kernels() is None:
         pytest.skip("no compiled CPU kernels")
     spec = llm_builtin_spec
     prop = spec.engine.proposer
     assert prop.numpy_step is None and prop.model.embed_tokens.dtype == torch.float32
-    want = Int8DynamicActivationLinearMethod if "avx512f" in cpu_flags() else CpuCompactWeightsLinearMethod
-    assert isinstance(spec.engine.core.worker.draft_linear_method, want)
+    assert isinstance(spec.engine.core.worker.draft_linear_method, Int8DynamicActivationLinearMethod)
     base = engine_cache()
     prompts = ["def add(a, b):", "class Stack:\n", "import os\n", "for i in range("]
     p = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

@@ -105,7 +105,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-draft-quantization", default=None, choices=list(DRAFT_QUANTIZATIONS),
                    help="int8 for the draft model (lossless: only acceptance can change): int8 weight-only, "
                         "w8a8_int8 int8 weights and per-row int8 activations (CPU, compiled kernels); "
-                        "default: int8 for a bf16/fp16 draft on an AVX-512 CPU, none elsewhere")
+                        "default: w8a8_int8 for a bf16/fp16 draft on the compiled CPU kernels, none elsewhere")
     s.add_argument("--speculative-draft-numpy", action=argparse.BooleanOptionalAction, default=None,
                    help="run a single sequence's draft steps in NumPy on the CPU (float32 draft); "
                         "default: on the CPU for drafts of up to 8M parameters")

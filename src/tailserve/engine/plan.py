@@ -277,7 +277,7 @@ def _linear_plan(device: torch.device, dtype: torch.dtype, checkpoint_dtype: tor
     reason itself where the plan chose int8 (it then starts with "int8" or "w8a8")."""
     cpu = device.type == "cpu"
     kernels = cpu and config.cpu_kernels and caps.cpu_kernels
-    if quantization == "w8a8_int8":  # int8 weights and activations (a draft's default on AVX-512, or asked for)
+    if quantization == "w8a8_int8":  # int8 weights and activations (a draft's default on the kernels, or asked for)
         why = quantization_flag if quantization_flag.startswith("w8a8") else f"{quantization_flag} w8a8_int8"
         if not (kernels and dtype == torch.float32):
             raise ConfigError(f"{why} runs in the compiled CPU kernels on a float32 model (here: "
@@ -534,8 +534,8 @@ def plan_kv_cache_dtype(config: EngineConfig, model: ModelPlan,
 
 
 # The reason a draft plan gives for int8 weights nobody asked for (``plan_draft``).
-DEFAULT_INT8_DRAFT_REASON = ("w8a8_int8 by default for a bf16/fp16 draft on an AVX-512 CPU, where it was "
-                             "measured faster (--speculative-draft-quantization int8: weight-only; none: the "
+DEFAULT_INT8_DRAFT_REASON = ("w8a8_int8 by default for a bf16/fp16 draft on the compiled CPU kernels, where it "
+                             "was measured faster (--speculative-draft-quantization int8: weight-only; none: the "
                              "draft's own weights)")
 
 
@@ -557,17 +557,18 @@ def plan_draft(config: EngineConfig, draft_dir: pathlib.Path, arch: ModelArchCon
     float_draft = config.speculative_draft_dtype in ("auto", "float32")
     if quant == "none":
         quant = None
-    elif quant is None and kernels and half and float_draft and not config.speculative_draft_numpy \
-            and "avx512f" in caps.cpu_flags:
-        # Where the CPU has AVX-512, such a draft's weights go to int8 by default, and its
-        # activations too, per row inside each product (lossless: the target verifies every
-        # draft): the draft reads half the bytes, evicts fewer of the target's weights from the
-        # cache between its steps, and multiplies without widening its weights. Built-in pair on
-        # 2 Xeon cores (docs/benchmarks.md, sessions 42 and 48-50, about the same acceptance each
-        # time): batch 1 greedy k = 4 1.69x of off (bf16) -> 1.74x (int8) -> 1.91x (w8a8_int8),
-        # adaptive 1.55x -> 1.64x -> 1.80x; t = 0.8 k = 4 1.21x -> 1.27x -> 1.38x; batch 4
-        # greedy k = 2 1.068x -> 1.081x -> 1.090x. Not measured yet on an AVX2-only CPU, which
-        # keeps the compact bf16 draft until it is.
+    elif quant is None and kernels and half and float_draft and not config.speculative_draft_numpy:
+        # Such a draft's weights go to int8 by default, and its activations too, per row inside
+        # each product (lossless: the target verifies every draft): the draft reads half the
+        # bytes, evicts fewer of the target's weights from the cache between its steps, and
+        # multiplies without widening its weights. Built-in pair, 40 interleaved batches
+        # (docs/benchmarks.md): on 2 Xeon cores with AVX-512 (sessions 42 and 48-50) batch 1
+        # greedy k = 4 1.69x of off (bf16) -> 1.74x (int8) -> 1.91x (w8a8_int8), t = 0.8 k = 4
+        # 1.21x -> 1.27x -> 1.38x, batch 4 greedy k = 2 1.068x -> 1.081x -> 1.090x; on 2 AMD
+        # EPYC (Zen 4) cores (session 51) batch 1 greedy k = 4 1.49x -> 1.60x -> 1.65x, and with
+        # the kernels' AVX-512 off (TAILSERVE_CPU_AVX512=0: the AVX2 tiles, the AVX2 W8A8
+        # products; a stand-in for the AVX2-only Zen 3 machines) 1.29x -> 1.37x -> 1.46x, t = 0.8
+        # 1.14x -> 1.16x -> 1.19x, batch 4 greedy k = 2 0.96x -> 1.005x -> 1.02x.
         quant, quant_flag = "w8a8_int8", DEFAULT_INT8_DRAFT_REASON
     compact = kernels and half and float_draft and quant is None
     numpy_step = config.speculative_draft_numpy

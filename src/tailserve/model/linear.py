@@ -242,7 +242,7 @@ class Int8DynamicActivationLinearMethod(Int8WeightOnlyLinearMethod):
     (``kernels.cpu.tailserve_gemm_w8a8p``: AVX-512 VNNI, else AVX2, the same bits; SGLang calls
     the scheme ``w8a8_int8``). The activations lose ~7 bits: for a draft model harmless (the
     target verifies every draft; the built-in draft's acceptance moved by under a point), so a
-    bf16/fp16 draft on an AVX-512 CPU takes it by default; for a target lossy, on request
+    bf16/fp16 draft on the compiled kernels takes it by default; for a target lossy, on request
     (``--quantization w8a8_int8``: the built-in target's held-out cross-entropy +0.03%). What
     it buys is the widening the weight-only panels spend: the built-in draft's 4,096 x 256 head
     took 8.9 us for one row against 29.8 us through the weight-only panels (2 Xeon cores,
