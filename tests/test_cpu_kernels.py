@@ -459,6 +459,29 @@ def test_the_decode_attention_kernel_matches_the_reference(seed, kv_dtype):
     assert not isinstance(backend.build([long], [long], [list(range(-(-long // bs)))]), CpuDecodeMetadata)
 
 
+@needs_kernels
+def test_a_single_sequences_step_metadata_is_the_batch_builders():
+    """A batch-1 decode or verification takes its own few-call builder: its slots, tables,
+    lengths and longest context are exactly what the batch builder makes for the same step."""
+    import random
+
+    from tailserve.attention.cpu_decode import CpuDecodeBackend
+
+    rng = random.Random(0)
+    for bs, window in ((16, None), (4, 7), (8, None)):
+        backend = CpuDecodeBackend(bs, 8, 64, 512, window, torch.device("cpu"), kernels=KERNELS)
+        for _ in range(40):
+            c = rng.randint(1, 300)
+            q = rng.randint(1, min(c, CpuDecodeBackend.MAX_QUERY_LEN))
+            table = rng.sample(range(1000), -(-c // bs) + rng.randint(0, 3))  # lookahead blocks past c too
+            one = backend._kernel_metadata([q], [c], [table])
+            batch = backend._batch_metadata([q], [c], [table])
+            for name in ("slot_mapping", "block_tables", "seq_lens"):
+                got, want = getattr(one, name), getattr(batch, name)
+                assert got.dtype == want.dtype and torch.equal(got, want), (name, c, q)
+            assert one.block_tables.is_contiguous() and (one.max_ctx, one.sliding_window) == (batch.max_ctx, window)
+
+
 def _scattered_step(ctxs: list[int], qlens: list[int], h: int, kvh: int, d: int, bs: int, seed: int):
     """A step's inputs over a bf16 cache: each sequence's blocks scattered at random, random
     cache contents, and q, k, v for its new rows. Returns (tables, cache, q, k, v)."""

@@ -152,16 +152,26 @@ class CpuDecodeBackend(TorchReferenceBackend):
                          block_tables: list[list[int]]) -> CpuDecodeMetadata:
         # Whole-array arithmetic over the rows: a loop of small numpy calls per sequence cost
         # ~10 us a row (150 us a step at 16 decodes, on 2 AVX2 cores), now ~2.
+        if len(query_lens) == 1:
+            return self._one_sequence_metadata(query_lens[0], context_lens[0], block_tables[0])
+        return self._batch_metadata(query_lens, context_lens, block_tables)
+
+    def _one_sequence_metadata(self, q: int, c: int, table: list[int]) -> CpuDecodeMetadata:
+        """A batch-1 step, the latency-bound one: its decode (``q`` = 1) or its verification of
+        ``q`` - 1 drafts, in a few calls (the array arithmetic of ``_batch_metadata`` took ~22
+        us for a verification of 5 rows on 2 Zen 4 cores, this ~6)."""
+        bs = self.block_size
+        seq_table = table[: -(-c // bs)]
+        slots = [slot_of(table, p, bs) for p in range(c - q, c)]
+        return CpuDecodeMetadata(torch.from_numpy(np.array(slots, dtype=np.int64)),
+                                 torch.from_numpy(np.array([seq_table] * q, dtype=np.int32)),
+                                 torch.from_numpy(np.arange(c - q + 1, c + 1, dtype=np.int32)), c,
+                                 self.sliding_window, self.kernels)
+
+    def _batch_metadata(self, query_lens: list[int], context_lens: list[int],
+                        block_tables: list[list[int]]) -> CpuDecodeMetadata:
         bs = self.block_size
         n = len(query_lens)
-        if n == 1 and query_lens[0] == 1:  # batch-1 decode: the latency-bound step, fewest calls
-            c = context_lens[0]
-            table = block_tables[0]
-            slot = slot_of(table, c - 1, bs)
-            return CpuDecodeMetadata(torch.from_numpy(np.array([slot], dtype=np.int64)),
-                                     torch.from_numpy(np.array([table[: -(-c // bs)]], dtype=np.int32)),
-                                     torch.from_numpy(np.array([c], dtype=np.int32)), c, self.sliding_window,
-                                     self.kernels)
         ctx = np.asarray(context_lens, dtype=np.int64)
         nbs = -(-ctx // bs)
         seq_tables = np.zeros((n, int(nbs.max())), dtype=np.int32)
