@@ -162,10 +162,15 @@ class CpuDecodeBackend(TorchReferenceBackend):
         us for a verification of 5 rows on 2 Zen 4 cores, this ~6)."""
         bs = self.block_size
         seq_table = table[: -(-c // bs)]
-        slots = [slot_of(table, p, bs) for p in range(c - q, c)]
-        return CpuDecodeMetadata(torch.from_numpy(np.array(slots, dtype=np.int64)),
+        if q == 1:  # the decode: the fewest calls of all
+            return CpuDecodeMetadata(torch.from_numpy(np.array([slot_of(table, c - 1, bs)], dtype=np.int64)),
+                                     torch.from_numpy(np.array([seq_table], dtype=np.int32)),
+                                     torch.from_numpy(np.array([c], dtype=np.int32)), c, self.sliding_window,
+                                     self.kernels)
+        positions = range(c - q, c)
+        return CpuDecodeMetadata(torch.from_numpy(np.array([slot_of(table, p, bs) for p in positions], dtype=np.int64)),
                                  torch.from_numpy(np.array([seq_table] * q, dtype=np.int32)),
-                                 torch.from_numpy(np.arange(c - q + 1, c + 1, dtype=np.int32)), c,
+                                 torch.from_numpy(np.array([p + 1 for p in positions], dtype=np.int32)), c,
                                  self.sliding_window, self.kernels)
 
     def _batch_metadata(self, query_lens: list[int], context_lens: list[int],
