@@ -150,16 +150,14 @@ class CpuDecodeBackend(TorchReferenceBackend):
 
     def _kernel_metadata(self, query_lens: list[int], context_lens: list[int],
                          block_tables: list[list[int]]) -> CpuDecodeMetadata:
-        # Whole-array arithmetic over the rows: a loop of small numpy calls per sequence cost
-        # ~10 us a row (150 us a step at 16 decodes, on 2 AVX2 cores), now ~2.
         if len(query_lens) == 1:
             return self._one_sequence_metadata(query_lens[0], context_lens[0], block_tables[0])
         return self._batch_metadata(query_lens, context_lens, block_tables)
 
     def _one_sequence_metadata(self, q: int, c: int, table: list[int]) -> CpuDecodeMetadata:
         """A batch-1 step, the latency-bound one: its decode (``q`` = 1) or its verification of
-        ``q`` - 1 drafts, in a few calls (the array arithmetic of ``_batch_metadata`` took ~22
-        us for a verification of 5 rows on 2 Zen 4 cores, this ~6)."""
+        ``q`` - 1 drafts, in a few calls (the array arithmetic of ``_batch_metadata`` took 20-35
+        us for a verification of 3-5 rows on 2 Zen 4 cores, this ~6)."""
         bs = self.block_size
         seq_table = table[: -(-c // bs)]
         if q == 1:  # the decode: the fewest calls of all
@@ -175,6 +173,8 @@ class CpuDecodeBackend(TorchReferenceBackend):
 
     def _batch_metadata(self, query_lens: list[int], context_lens: list[int],
                         block_tables: list[list[int]]) -> CpuDecodeMetadata:
+        # Whole-array arithmetic over the rows: a loop of small numpy calls per sequence cost
+        # ~10 us a row (150 us a step at 16 decodes, on 2 AVX2 cores), now ~2.
         bs = self.block_size
         n = len(query_lens)
         ctx = np.asarray(context_lens, dtype=np.int64)
