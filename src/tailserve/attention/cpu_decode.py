@@ -160,11 +160,6 @@ class CpuDecodeBackend(TorchReferenceBackend):
         us for a verification of 3-5 rows on 2 Zen 4 cores, this ~6)."""
         bs = self.block_size
         seq_table = table[: -(-c // bs)]
-        if q == 1:  # the decode: the fewest calls of all
-            return CpuDecodeMetadata(torch.from_numpy(np.array([slot_of(table, c - 1, bs)], dtype=np.int64)),
-                                     torch.from_numpy(np.array([seq_table], dtype=np.int32)),
-                                     torch.from_numpy(np.array([c], dtype=np.int32)), c, self.sliding_window,
-                                     self.kernels)
         positions = range(c - q, c)
         return CpuDecodeMetadata(torch.from_numpy(np.array([slot_of(table, p, bs) for p in positions], dtype=np.int64)),
                                  torch.from_numpy(np.array([seq_table] * q, dtype=np.int32)),
